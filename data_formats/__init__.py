@@ -1,0 +1,84 @@
+"""Dataset formats: each module here turns one kind of record into a conversation.
+
+A format is a class registered by name with :func:`register`. It converts one record (a dict read
+from a json, jsonl or parquet row) into a list of messages ``{"role": system|user|assistant,
+"content": str}``. To add a format, drop a module into this folder (it is imported by name on
+first use) or expose one from your own package under the ``ftctl.data_formats`` entry-point group;
+the runner never changes.
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+from typing import Any, Dict, List, Type
+
+Message = Dict[str, str]
+ROLES = ("system", "user", "assistant")
+
+
+class FormatError(ValueError):
+    """A record that does not match its declared format; the loader adds file and line."""
+
+
+class DataFormat:
+    """Base class: a named converter from records to conversations."""
+
+    name: str = ""
+    #: Field names whose presence identifies the format, used to suggest the right one.
+    signature_fields: tuple = ()
+
+    def to_messages(self, record: Dict[str, Any]) -> List[Message]:
+        raise NotImplementedError
+
+    @classmethod
+    def looks_like(cls, record: Dict[str, Any]) -> bool:
+        return bool(cls.signature_fields) and all(f in record for f in cls.signature_fields)
+
+
+_REGISTRY: Dict[str, Type[DataFormat]] = {}
+
+
+def register(cls: Type[DataFormat]) -> Type[DataFormat]:
+    _REGISTRY[cls.name] = cls
+    return cls
+
+
+def _discover() -> None:
+    for module in pkgutil.iter_modules(__path__):
+        if not module.name.startswith("_"):
+            importlib.import_module(f"{__name__}.{module.name}")
+    from importlib.metadata import entry_points
+
+    for ep in entry_points(group="ftctl.data_formats"):
+        ep.load()
+
+
+def available() -> List[str]:
+    if not _REGISTRY:
+        _discover()
+    return sorted(_REGISTRY)
+
+
+def get_format(name: str) -> DataFormat:
+    if name not in available():
+        from ftctl.errors import ConfigError, did_you_mean
+
+        raise ConfigError(f"unknown data.format '{name}'.{did_you_mean(name, available())} Available: {', '.join(available())}")
+    return _REGISTRY[name]()
+
+
+def guess_format(record: Dict[str, Any]) -> List[str]:
+    """Names of the registered formats this record looks like."""
+    return [name for name in available() if _REGISTRY[name].looks_like(record)]
+
+
+def require_text(record: Dict[str, Any], key: str, *, optional: bool = False) -> str:
+    value = record.get(key)
+    if value is None:
+        if optional:
+            return ""
+        raise FormatError(f"missing required field '{key}'")
+    if not isinstance(value, str):
+        raise FormatError(f"field '{key}' must be a string, got {type(value).__name__}")
+    return value

@@ -1,0 +1,42 @@
+"""ShareGPT: ``conversations`` of ``{from, value}``; also OpenAI-style ``messages`` of ``{role, content}``."""
+
+from __future__ import annotations
+
+from data_formats import DataFormat, FormatError, register
+
+SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant"}
+
+
+@register
+class ShareGPT(DataFormat):
+    name = "sharegpt"
+    signature_fields = ("conversations",)
+
+    @classmethod
+    def looks_like(cls, record):
+        return "conversations" in record or "messages" in record
+
+    def to_messages(self, record):
+        if "conversations" in record:
+            turns, role_key, text_key = record["conversations"], "from", "value"
+        elif "messages" in record:
+            turns, role_key, text_key = record["messages"], "role", "content"
+        else:
+            raise FormatError("missing required field 'conversations' (or OpenAI-style 'messages')")
+        if not isinstance(turns, list) or not turns:
+            raise FormatError("'conversations' must be a non-empty list of turns")
+        messages = []
+        for i, turn in enumerate(turns):
+            if not isinstance(turn, dict) or role_key not in turn or text_key not in turn:
+                raise FormatError(f"turn {i} must be an object with '{role_key}' and '{text_key}'")
+            role = SHAREGPT_ROLES.get(str(turn[role_key]).lower())
+            if role is None:
+                raise FormatError(f"turn {i}: unknown speaker '{turn[role_key]}' (use system, human or gpt)")
+            if not isinstance(turn[text_key], str):
+                raise FormatError(f"turn {i}: '{text_key}' must be a string")
+            if role == "system" and i != 0:
+                raise FormatError(f"turn {i}: a system message may only open the conversation")
+            messages.append({"role": role, "content": turn[text_key]})
+        if not any(m["role"] == "assistant" for m in messages):
+            raise FormatError("the conversation has no assistant (gpt) turn to train on")
+        return messages

@@ -1,0 +1,5 @@
+import sys
+
+from ftctl.cli import main
+
+sys.exit(main())

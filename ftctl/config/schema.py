@@ -1,0 +1,132 @@
+"""The structured schema of a run: every key a recipe or the command line may set.
+
+Each field carries its documentation in ``metadata["help"]`` so that ``ftctl config-docs`` and the
+error messages can quote it. Nothing here imports torch: the schema is checked before any model
+loads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import MISSING, dataclass, field
+from typing import Any, List, Optional
+
+from omegaconf import MISSING as OMEGA_MISSING
+
+
+def option(default: Any = MISSING, help: str = "", *, factory: Any = None) -> Any:
+    """A dataclass field with its documentation attached."""
+    if factory is not None:
+        return field(default_factory=factory, metadata={"help": help})
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass
+class ModelConfig:
+    name_or_path: str = option(OMEGA_MISSING, "Local model dir, hub id, or a built-in alias (`ftctl models`).")
+    config_file: Optional[str] = option(
+        None, "Architecture JSON shipped in recipes/model_configs, used to inspect a recipe without weights."
+    )
+    tokenizer: Optional[str] = option(None, "Tokenizer dir or id when it differs from the model's.")
+    revision: Optional[str] = option(None, "Hub revision (branch, tag or commit) to load.")
+    trust_remote_code: bool = option(False, "Allow the model repo's own Python code to run. Off unless set.")
+    attn_implementation: str = option("sdpa", "Attention kernel: sdpa, eager, or flash_attention_2 on GPUs.")
+
+
+@dataclass
+class MethodConfig:
+    name: str = option("lora", "Fine-tuning method: full, lora, qlora or dora.")
+    r: int = option(16, "LoRA rank (lora, qlora, dora).")
+    alpha: float = option(32.0, "LoRA scaling numerator; the update is scaled by alpha / r.")
+    dropout: float = option(0.05, "Dropout on the LoRA input path.")
+    target_modules: List[str] = option(
+        factory=lambda: ["all-linear"],
+        help="Module names to adapt, or ['all-linear'] for every linear layer except the output head.",
+    )
+    use_dora: bool = option(False, "Weight-decomposed LoRA (magnitude + direction). True for method=dora.")
+    use_rslora: bool = option(False, "Rank-stabilised scaling alpha / sqrt(r) instead of alpha / r.")
+    modules_to_save: List[str] = option(factory=list, help="Extra modules trained in full next to the adapter.")
+    quant_type: str = option("nf4", "qlora: 4-bit data type, nf4 or fp4.")
+    double_quant: bool = option(True, "qlora: quantise the quantisation constants too.")
+    quant_storage: str = option("uint8", "qlora: storage dtype of packed weights (bfloat16 for sharded backends).")
+
+
+@dataclass
+class ParallelConfig:
+    name: str = option("single", "Backend: single, ddp, fsdp, zero1, zero2 or zero3.")
+    nproc_per_node: int = option(1, "Worker processes per node.")
+    nnodes: int = option(1, "Number of nodes.")
+    node_rank: int = option(0, "This node's rank among nnodes.")
+    master_addr: str = option("127.0.0.1", "Address of the rank-0 node.")
+    master_port: int = option(29500, "Port of the rank-0 node.")
+    rdzv_backend: str = option("static", "torchrun rendezvous backend: static or c10d.")
+    rdzv_id: str = option("ftctl", "Rendezvous job id, shared by all nodes of one run.")
+    dist_backend: str = option("auto", "Collective backend: auto (nccl on GPU, gloo on CPU), nccl or gloo.")
+    offload_optimizer: Optional[str] = option(None, "ZeRO: offload optimizer states to 'cpu'.")
+    offload_params: Optional[str] = option(None, "ZeRO-3 / FSDP: offload parameters to 'cpu'.")
+    reshard_after_forward: bool = option(True, "FSDP: free gathered parameters after each layer's forward.")
+
+
+@dataclass
+class PrecisionConfig:
+    name: str = option("auto", "fp32, bf16, fp16 (with a gradient scaler) or auto.")
+    init_scale: float = option(65536.0, "fp16: initial loss scale.")
+    growth_interval: int = option(2000, "fp16: steps without overflow before the scale doubles.")
+
+
+@dataclass
+class DataConfig:
+    format: str = option("alpaca", "Record format, a module in data_formats/: alpaca, sharegpt, ...")
+    path: str = option(OMEGA_MISSING, "Training file: .json, .jsonl or .parquet.")
+    eval_path: Optional[str] = option(None, "Separate eval file (same format).")
+    eval_fraction: float = option(0.0, "Share of the training file held out for eval when eval_path is unset.")
+    max_seq_len: int = option(512, "Tokens per example; longer examples are truncated and counted.")
+    train_on_prompt: bool = option(False, "Also train on system and user tokens.")
+    chat_template: Optional[str] = option(
+        None, "Jinja chat template overriding the tokenizer's; the documented fallback is used when neither exists."
+    )
+    system_prompt: Optional[str] = option(None, "System message added to examples that carry none.")
+    pad_to_multiple_of: int = option(8, "Pad each micro-batch to a multiple of this many tokens.")
+    shuffle: bool = option(True, "Shuffle examples every epoch (seeded).")
+    cache_dir: Optional[str] = option(None, "Tokenized-data cache; default $FTCTL_HOME/data_cache.")
+
+
+@dataclass
+class TrainConfig:
+    max_steps: int = option(100, "Optimizer steps to run.")
+    micro_batch_size: int = option(1, "Examples per forward pass on one rank.")
+    global_batch_size: int = option(8, "Examples per optimizer step over all ranks; accumulation is derived.")
+    lr: float = option(2e-4, "Peak learning rate.")
+    min_lr_ratio: float = option(0.1, "Cosine floor as a fraction of lr.")
+    warmup_steps: int = option(0, "Linear warmup steps before the cosine decay.")
+    weight_decay: float = option(0.0, "AdamW decoupled weight decay.")
+    adam_beta1: float = option(0.9, "AdamW beta1.")
+    adam_beta2: float = option(0.999, "AdamW beta2.")
+    adam_eps: float = option(1e-8, "AdamW epsilon.")
+    optimizer: str = option("adamw", "adamw, or (qlora, where bitsandbytes supports the device) paged_adamw_8bit / paged_adamw_32bit.")
+    max_grad_norm: float = option(1.0, "Gradient clipping norm; 0 disables clipping.")
+    gradient_checkpointing: bool = option(False, "Recompute activations in backward to save memory.")
+    log_every: int = option(1, "Write a metrics line every this many steps.")
+    eval_every: int = option(0, "Eval loss every this many steps; 0 = only at the end when an eval split exists.")
+    save_every: int = option(0, "Checkpoint every this many steps; 0 = no intermediate checkpoints.")
+    keep_last: int = option(0, "Checkpoints to keep; 0 keeps all.")
+    progress_bar: bool = option(True, "Show a progress bar on rank 0.")
+    tensorboard: bool = option(True, "Also log metrics to TensorBoard under output_dir/tensorboard.")
+    num_threads: int = option(0, "torch CPU threads per process; 0 = torch's default.")
+
+
+@dataclass
+class RunConfig:
+    model: ModelConfig = option(factory=ModelConfig, help="What to fine-tune.")
+    method: MethodConfig = option(factory=MethodConfig, help="How: full, LoRA, QLoRA or DoRA.")
+    parallel: ParallelConfig = option(factory=ParallelConfig, help="On how many processes, with which backend.")
+    precision: PrecisionConfig = option(factory=PrecisionConfig, help="Numeric precision of the compute.")
+    data: DataConfig = option(factory=DataConfig, help="What to train on.")
+    train: TrainConfig = option(factory=TrainConfig, help="The optimisation loop.")
+    output_dir: str = option("runs/${now:%Y%m%d-%H%M%S}", "Run directory: config, metrics, checkpoints, final/.")
+    seed: int = option(42, "Seed for data order, initialisation and dropout.")
+    overwrite: bool = option(False, "Allow training into a non-empty output_dir.")
+
+
+METHODS = ("full", "lora", "qlora", "dora")
+PARALLEL_BACKENDS = ("single", "ddp", "fsdp", "zero1", "zero2", "zero3")
+PRECISIONS = ("fp32", "bf16", "fp16", "auto")

@@ -1,0 +1,84 @@
+"""Checks on values that the type schema cannot express: ranges, choices and cross-field rules.
+
+All of them run before torch is imported, so a mistake costs a message, not a model load.
+"""
+
+from __future__ import annotations
+
+from ftctl.config.schema import METHODS, PARALLEL_BACKENDS, PRECISIONS, RunConfig
+from ftctl.errors import ConfigError, did_you_mean
+
+
+def _choice(key: str, value: str, choices) -> None:
+    if value not in choices:
+        raise ConfigError(f"{key}='{value}' is not one of {', '.join(choices)}.{did_you_mean(value, choices)}")
+
+
+def _positive(key: str, value, *, allow_zero: bool = False) -> None:
+    if value < 0 or (value == 0 and not allow_zero):
+        raise ConfigError(f"{key}={value} must be {'>= 0' if allow_zero else '> 0'}")
+
+
+def validate(cfg: RunConfig) -> None:
+    m, t, d, p = cfg.method, cfg.train, cfg.data, cfg.parallel
+    _choice("method.name", m.name, METHODS)
+    _choice("parallel.name", p.name, PARALLEL_BACKENDS)
+    _choice("precision.name", cfg.precision.name, PRECISIONS)
+    if m.name in ("lora", "qlora", "dora"):
+        _positive("method.r", m.r)
+        _positive("method.alpha", m.alpha)
+        if not 0.0 <= m.dropout < 1.0:
+            raise ConfigError(f"method.dropout={m.dropout} must be in [0, 1)")
+        if not m.target_modules:
+            raise ConfigError("method.target_modules is empty; use [all-linear] or name the modules to adapt")
+    if m.name == "dora" and not m.use_dora:
+        raise ConfigError("method=dora needs method.use_dora=true (or use method=lora with use_dora=false)")
+    if m.name == "full" and m.use_dora:
+        raise ConfigError("method.use_dora=true needs an adapter method (dora, lora or qlora), not method=full")
+    _choice("method.quant_type", m.quant_type, ("nf4", "fp4"))
+    _choice("method.quant_storage", m.quant_storage, ("uint8", "bfloat16", "float16", "float32"))
+
+    _positive("train.max_steps", t.max_steps)
+    _positive("train.micro_batch_size", t.micro_batch_size)
+    _positive("train.global_batch_size", t.global_batch_size)
+    _positive("train.lr", t.lr)
+    for key in ("warmup_steps", "log_every", "eval_every", "save_every", "keep_last", "num_threads"):
+        _positive(f"train.{key}", getattr(t, key), allow_zero=True)
+    _positive("train.max_grad_norm", t.max_grad_norm, allow_zero=True)
+    _positive("train.weight_decay", t.weight_decay, allow_zero=True)
+    _positive("train.log_every", t.log_every)
+    if not 0.0 <= t.min_lr_ratio <= 1.0:
+        raise ConfigError(f"train.min_lr_ratio={t.min_lr_ratio} must be in [0, 1]")
+    _choice("train.optimizer", t.optimizer, ("adamw", "paged_adamw_8bit", "paged_adamw_32bit", "adamw_8bit"))
+    if t.optimizer != "adamw" and m.name != "qlora":
+        raise ConfigError(f"train.optimizer={t.optimizer} is a bitsandbytes optimizer for method=qlora; use adamw")
+
+    if d.max_seq_len < 16:
+        raise ConfigError(f"data.max_seq_len={d.max_seq_len} is too small to hold a prompt and an answer (>= 16)")
+    if not 0.0 <= d.eval_fraction < 1.0:
+        raise ConfigError(f"data.eval_fraction={d.eval_fraction} must be in [0, 1)")
+    if d.eval_fraction > 0 and d.eval_path:
+        raise ConfigError("set data.eval_path or data.eval_fraction, not both")
+    _positive("data.pad_to_multiple_of", d.pad_to_multiple_of)
+
+    _positive("parallel.nproc_per_node", p.nproc_per_node)
+    _positive("parallel.nnodes", p.nnodes)
+    if not 0 <= p.node_rank < p.nnodes:
+        raise ConfigError(f"parallel.node_rank={p.node_rank} must be in [0, parallel.nnodes={p.nnodes})")
+    world = p.nproc_per_node * p.nnodes
+    if p.name == "single" and world > 1:
+        raise ConfigError(f"parallel=single runs one process, but nproc_per_node × nnodes = {world}; choose ddp, fsdp or zero1/2/3")
+    per_step = t.micro_batch_size * world
+    if t.global_batch_size % per_step:
+        raise ConfigError(
+            f"train.global_batch_size={t.global_batch_size} must be a multiple of "
+            f"train.micro_batch_size × world size = {t.micro_batch_size} × {world} = {per_step}"
+        )
+    _choice("parallel.dist_backend", p.dist_backend, ("auto", "gloo", "nccl"))
+    if p.offload_optimizer not in (None, "cpu") or p.offload_params not in (None, "cpu"):
+        raise ConfigError("parallel.offload_optimizer and parallel.offload_params take 'cpu' or null")
+
+
+def gradient_accumulation_steps(cfg: RunConfig, world_size: int) -> int:
+    """global = micro × world × accumulation, so a batch's result does not depend on how it is split."""
+    return cfg.train.global_batch_size // (cfg.train.micro_batch_size * world_size)

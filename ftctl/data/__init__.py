@@ -1,0 +1,1 @@
+"""From a data file to padded micro-batches: read records, render chats, mask prompts, cache, sample."""

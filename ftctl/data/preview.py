@@ -1,0 +1,44 @@
+"""`ftctl data preview`: rendered examples with trained spans marked, to check masking by eye."""
+
+from __future__ import annotations
+
+from ftctl.config.schema import RunConfig
+from ftctl.data.dataset import build_datasets
+from ftctl.data.render import IGNORE_INDEX
+from ftctl.models.loading import load_tokenizer, resolve_model_path
+
+TRAINED_OPEN, TRAINED_CLOSE = "\u27e6", "\u27e7"  # ⟦trained⟧
+GREEN, RESET = "\033[32m", "\033[0m"
+
+
+def mark_spans(tokenizer, input_ids, labels, color: bool = False) -> str:
+    """The decoded example with each run of trained tokens wrapped in ⟦ ⟧ (or green on a terminal)."""
+    out, run, trained = [], [], None
+
+    def flush():
+        if run:
+            text = tokenizer.decode(run, skip_special_tokens=False)
+            if trained:
+                text = f"{GREEN}{text}{RESET}" if color else f"{TRAINED_OPEN}{text}{TRAINED_CLOSE}"
+            out.append(text)
+
+    for token, label in zip(input_ids, labels):
+        is_trained = int(label) != IGNORE_INDEX
+        if is_trained != trained:
+            flush()
+            run, trained = [], is_trained
+        run.append(int(token))
+    flush()
+    return "".join(out)
+
+
+def preview(cfg: RunConfig, n: int, color: bool = False) -> None:
+    tokenizer = load_tokenizer(cfg.model, resolve_model_path(cfg.model.name_or_path))
+    train, _ = build_datasets(cfg.data, tokenizer, cfg.seed)
+    legend = f"{GREEN}green{RESET}" if color else f"{TRAINED_OPEN}…{TRAINED_CLOSE}"
+    print(f"{len(train)} examples from {cfg.data.path} (format {cfg.data.format}); trained spans are {legend}, the rest is masked")
+    for i in range(min(n, len(train))):
+        ids, labels = train[i]
+        trained = int((labels != IGNORE_INDEX).sum())
+        print(f"\n--- example {i}: {len(ids)} tokens, {trained} trained ---")
+        print(mark_spans(tokenizer, ids, labels, color))

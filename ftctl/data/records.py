@@ -1,0 +1,60 @@
+"""Read records from json, jsonl or parquet, keeping where each came from for error messages."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Dict, List
+
+from ftctl.errors import FtctlError
+
+
+@dataclass
+class Record:
+    data: Dict[str, Any]
+    source: str  # "file:line" or "file:row N"
+
+
+def read_records(path: str | Path) -> List[Record]:
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise FtctlError(f"data file not found: {path}")
+    suffix = path.suffix.lower()
+    if suffix == ".jsonl":
+        return _read_jsonl(path)
+    if suffix == ".json":
+        text = path.read_text(encoding="utf-8")
+        if text.lstrip().startswith("["):
+            try:
+                rows = json.loads(text)
+            except json.JSONDecodeError as exc:
+                raise FtctlError(f"{path}:{exc.lineno}: malformed JSON: {exc.msg}") from None
+            return [_as_record(row, f"{path}:item {i}") for i, row in enumerate(rows)]
+        return _read_jsonl(path)
+    if suffix == ".parquet":
+        from datasets import Dataset
+
+        table = Dataset.from_parquet(str(path), keep_in_memory=True)
+        return [Record(dict(row), f"{path}:row {i}") for i, row in enumerate(table)]
+    raise FtctlError(f"{path}: unsupported data file type '{suffix}' (use .json, .jsonl or .parquet)")
+
+
+def _read_jsonl(path: Path) -> List[Record]:
+    records = []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise FtctlError(f"{path}:{lineno}: malformed JSON line: {exc.msg} (column {exc.colno})") from None
+            records.append(_as_record(row, f"{path}:{lineno}"))
+    return records
+
+
+def _as_record(row: Any, source: str) -> Record:
+    if not isinstance(row, dict):
+        raise FtctlError(f"{source}: expected a JSON object, got {type(row).__name__}")
+    return Record(row, source)

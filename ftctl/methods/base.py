@@ -1,0 +1,38 @@
+"""The interface every fine-tuning method implements."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Dict, Optional
+
+import torch
+
+from ftctl.config.schema import RunConfig
+from ftctl.precision import PrecisionPolicy
+
+
+class Method:
+    """Builds the trainable model and saves what the method produces."""
+
+    name = ""
+
+    def __init__(self, cfg: RunConfig):
+        self.cfg = cfg
+
+    def build_model(self, model_path: str, precision: PrecisionPolicy, device: torch.device) -> torch.nn.Module:
+        """Load the base and make it trainable the method's way: only the right parameters require grad."""
+        raise NotImplementedError
+
+    def trainable_state_dict(self, model: torch.nn.Module, full_state: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+        """The part of a (gathered) state dict that this method trains; what checkpoints must keep."""
+        raise NotImplementedError
+
+    def save(self, model: torch.nn.Module, tokenizer, out_dir: Path, state_dict: Optional[Dict[str, torch.Tensor]] = None) -> None:
+        """Write the result as a directory the Hugging Face tools load directly (safetensors only)."""
+        raise NotImplementedError
+
+    @staticmethod
+    def count_parameters(model: torch.nn.Module) -> Dict[str, int]:
+        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        total = sum(p.numel() for p in model.parameters())
+        return {"trainable": trainable, "total": total}

@@ -1,0 +1,1 @@
+"""Model resolution (paths, hub ids, built-in aliases) and loading."""

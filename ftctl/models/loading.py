@@ -1,0 +1,68 @@
+"""Find a model (local dir, alias or hub id) and load it with its tokenizer."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Optional
+
+from ftctl.config.schema import ModelConfig
+from ftctl.errors import FtctlError
+from ftctl.models.aliases import aliases, is_alias, resolve_alias
+
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+def resolve_model_path(name_or_path: str) -> str:
+    """A local dir for aliases and paths; a hub id is passed through for transformers to fetch."""
+    if is_alias(name_or_path):
+        return str(resolve_alias(name_or_path))
+    path = Path(name_or_path).expanduser()
+    if path.exists():
+        if not (path / "config.json").is_file():
+            raise FtctlError(f"model.name_or_path={name_or_path}: {path} is not a model dir (no config.json)")
+        return str(path.resolve())
+    if _HUB_ID.match(name_or_path) and not name_or_path.startswith((".", "/", "~")):
+        return name_or_path
+    known = ", ".join(sorted(aliases()))
+    raise FtctlError(f"model.name_or_path={name_or_path}: no such dir, alias or hub id (aliases: {known})")
+
+
+def load_tokenizer(model_cfg: ModelConfig, model_path: str):
+    from transformers import AutoTokenizer
+
+    source = model_cfg.tokenizer or model_path
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(
+            source, revision=model_cfg.revision, trust_remote_code=model_cfg.trust_remote_code
+        )
+    except (OSError, ValueError) as exc:
+        raise FtctlError(f"could not load the tokenizer from {source}: {str(exc).splitlines()[0]}") from None
+    if tokenizer.pad_token_id is None:
+        # Padding is masked by length, never by id, so reusing EOS as pad cannot hide a trained EOS.
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_causal_lm(model_cfg: ModelConfig, model_path: str, *, dtype, quantization_config=None, device_map=None):
+    from transformers import AutoModelForCausalLM
+
+    try:
+        return AutoModelForCausalLM.from_pretrained(
+            model_path,
+            revision=model_cfg.revision,
+            trust_remote_code=model_cfg.trust_remote_code,
+            dtype=dtype,
+            attn_implementation=model_cfg.attn_implementation,
+            quantization_config=quantization_config,
+            device_map=device_map,
+            use_safetensors=None,
+        )
+    except (OSError, ValueError) as exc:
+        raise FtctlError(f"could not load the model from {model_path}: {str(exc).splitlines()[0]}") from None
+
+
+def model_config_dict(model_path: Optional[str]) -> dict:
+    import json
+
+    return json.loads((Path(model_path) / "config.json").read_text())

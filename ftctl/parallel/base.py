@@ -1,0 +1,140 @@
+"""The backend and engine interfaces, and the torch-native engine that single, DDP and FSDP share."""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Callable, Dict, Optional
+
+import torch
+
+from ftctl.config.schema import RunConfig
+from ftctl.precision import PrecisionPolicy
+
+
+@dataclass
+class StepResult:
+    grad_norm: float
+    skipped: bool  # an fp16 overflow: the scaler skipped the update
+
+
+class Engine:
+    """What the training loop drives: forward through ``module``, then ``backward`` and ``step``."""
+
+    module: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+
+    def accumulating(self, last_micro_batch: bool):
+        """Context for one micro-batch's forward and backward; gradient sync happens on the last."""
+        return contextlib.nullcontext()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def step(self, max_grad_norm: float) -> StepResult:
+        raise NotImplementedError
+
+    def set_lr(self, lr: float) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
+    def gathered_state_dict(self) -> Optional[Dict[str, torch.Tensor]]:
+        """The full, unsharded state dict on the main rank (None elsewhere)."""
+        raise NotImplementedError
+
+    def loss_scale(self) -> Optional[float]:
+        return None
+
+    def state_dict(self) -> dict:
+        """Optimizer and scaler state for a checkpoint."""
+        raise NotImplementedError
+
+    def load_state_dict(self, state: dict) -> None:
+        raise NotImplementedError
+
+
+class TorchEngine(Engine):
+    """Plain torch optimisation with an optional GradScaler; DDP and FSDP wrap ``module`` differently."""
+
+    def __init__(self, module, optimizer, precision: PrecisionPolicy, scaler=None, no_sync: Optional[Callable] = None):
+        self.module, self.optimizer, self.precision, self.scaler = module, optimizer, precision, scaler
+        self._no_sync = no_sync
+
+    def accumulating(self, last_micro_batch):
+        if self._no_sync is None or last_micro_batch:
+            return contextlib.nullcontext()
+        return self._no_sync()
+
+    def backward(self, loss):
+        (self.scaler.scale(loss) if self.scaler else loss).backward()
+
+    def _params(self):
+        return [p for group in self.optimizer.param_groups for p in group["params"] if p.grad is not None]
+
+    def step(self, max_grad_norm):
+        if self.scaler:
+            self.scaler.unscale_(self.optimizer)
+        params = self._params()
+        if max_grad_norm > 0:
+            norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
+        else:
+            norm = torch.nn.utils.get_total_norm([p.grad for p in params]) if params else torch.zeros(())
+        norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+        skipped = False
+        if self.scaler:
+            scale_before = self.scaler.get_scale()
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+            skipped = self.scaler.get_scale() < scale_before
+        else:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return StepResult(float(norm), skipped)
+
+    def loss_scale(self):
+        return self.scaler.get_scale() if self.scaler else None
+
+    def gathered_state_dict(self):
+        return {k: v.detach().cpu() for k, v in self.module.state_dict().items()}
+
+    def state_dict(self):
+        return {"optimizer": self.optimizer.state_dict(), "scaler": self.scaler.state_dict() if self.scaler else None}
+
+    def load_state_dict(self, state):
+        self.optimizer.load_state_dict(state["optimizer"])
+        if self.scaler and state.get("scaler"):
+            self.scaler.load_state_dict(state["scaler"])
+
+
+class Backend:
+    """A process group and the way it wraps a model for training."""
+
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    device: torch.device
+
+    def __init__(self, cfg: RunConfig):
+        self.cfg = cfg
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def prepare(self, model: torch.nn.Module, make_optimizer: Callable, precision: PrecisionPolicy) -> Engine:
+        raise NotImplementedError
+
+    def all_reduce_sum(self, value: torch.Tensor) -> torch.Tensor:
+        return value
+
+    def barrier(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def default_device(local_rank: int = 0) -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")

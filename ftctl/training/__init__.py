@@ -1,0 +1,1 @@
+"""The unified training loop and what it writes: metrics, checkpoints, the final result."""

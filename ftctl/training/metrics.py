@@ -1,0 +1,78 @@
+"""Metrics to <output_dir>/metrics.jsonl, TensorBoard and a progress bar; only the main rank writes."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import Optional
+
+log = logging.getLogger("ftctl")
+
+
+class MetricsLogger:
+    def __init__(self, run_dir: Path, total_steps: int, start_step: int, *, enabled: bool, tensorboard: bool, progress_bar: bool):
+        self.enabled = enabled
+        self._file = open(run_dir / "metrics.jsonl", "a") if enabled else None
+        self._tb = None
+        if enabled and tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(str(run_dir / "tensorboard"))
+        self._bar = None
+        if enabled and progress_bar:
+            from tqdm.auto import tqdm
+
+            self._bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step", file=sys.stderr, dynamic_ncols=True)
+
+    def log(self, step: int, metrics: dict) -> None:
+        if not self.enabled:
+            return
+        record = {"step": step, **{k: _plain(v) for k, v in metrics.items()}}
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+        if self._tb is not None:
+            for key, value in record.items():
+                if key != "step" and isinstance(value, (int, float)):
+                    self._tb.add_scalar(key if "/" in key else f"train/{key}" if not key.startswith("eval") else f"eval/{key}", value, step)
+        if self._bar is not None and "loss" in record:
+            self._bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record.get('tokens_per_s', 0):.0f}", refresh=False)
+        if "eval_loss" in record:
+            log.info("step %d: eval_loss %.4f", step, record["eval_loss"])
+
+    def advance(self) -> None:
+        if self._bar is not None:
+            self._bar.update(1)
+
+    def write_line(self, text: str) -> None:
+        if self._bar is not None:
+            self._bar.write(text)
+        elif self.enabled:
+            log.info(text)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+        if self._tb is not None:
+            self._tb.close()
+        if self._file is not None:
+            self._file.close()
+
+
+def _plain(value):
+    if hasattr(value, "item"):
+        value = value.item()
+    if isinstance(value, float):
+        return round(value, 8)
+    return value
+
+
+def read_metrics(run_dir: Path) -> list:
+    path = Path(run_dir) / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
+def final_loss(run_dir: Path) -> Optional[float]:
+    losses = [m["loss"] for m in read_metrics(run_dir) if "loss" in m]
+    return losses[-1] if losses else None

@@ -1,0 +1,65 @@
+"""Shared fixtures: an isolated FTCTL_HOME, one tiny random Llama per session, and a config builder."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+
+@pytest.fixture(scope="session", autouse=True)
+def ftctl_home(tmp_path_factory) -> Path:
+    home = tmp_path_factory.mktemp("ftctl_home")
+    os.environ["FTCTL_HOME"] = str(home)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    return home
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    """A 2-layer random Llama with a ChatML tokenizer (pad token distinct from EOS)."""
+    from ftctl.models.tiny import build_tiny_llama
+
+    return build_tiny_llama(tmp_path_factory.mktemp("tiny_llama"))
+
+
+@pytest.fixture(scope="session")
+def tiny_model_no_template_dir(tmp_path_factory) -> Path:
+    """A tiny Llama whose tokenizer has no chat template and pads with EOS (the fallback-template path)."""
+    from ftctl.models.tiny import build_tiny_llama
+
+    return build_tiny_llama(tmp_path_factory.mktemp("tiny_llama_plain"), chat_template=False, pad_token=False)
+
+
+@pytest.fixture
+def make_cfg(tiny_model_dir, tmp_path):
+    """compose_config with the tiny model, a fresh output dir and quiet logging; extra overrides win."""
+    from ftctl.config.compose import compose_config
+
+    def build(*overrides: str, model_dir: Path | None = None):
+        base = [
+            "recipe=tiny_lora",
+            f"model.name_or_path={model_dir or tiny_model_dir}",
+            f"output_dir={tmp_path / 'run'}",
+            "train.progress_bar=false",
+            "train.tensorboard=false",
+        ]
+        return compose_config(base + list(overrides))
+
+    return build
+
+
+@pytest.fixture
+def run_training():
+    """Train a composed config in this process; returns (TrainResult, metrics list)."""
+    from ftctl.training.metrics import read_metrics
+    from ftctl.training.run_dir import prepare_run_dir
+    from ftctl.training.runner import train
+
+    def run(cfg):
+        run_dir = prepare_run_dir(cfg)
+        result = train(cfg, run_dir)
+        return result, read_metrics(run_dir)
+
+    return run
