@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from pathlib import Path
 from typing import List, Optional
 
 from ftctl.errors import FtctlError
@@ -16,10 +17,28 @@ USAGE = """ftctl <command> [key=value ...]
 commands:
   train          fine-tune: ftctl train recipe=NAME [key=value ...] [--cfg] [--dry-run]
   recipes        list the recipe presets
-  models         list the built-in model aliases
+  estimate       memory per rank by part: ftctl estimate recipe=NAME [key=value ...] [--json]
+  models         list the built-in model aliases: ftctl models [--prepare NAME | --rebuild NAME]
+  eval           generate on held-out data and score it: ftctl eval model=NAME data.path=FILE [adapter=DIR] [n=50]
   config-docs    every config key with its type, default and meaning
   data preview   show rendered examples with trained spans marked: ftctl data preview recipe=NAME n=3
+  merge          fold an adapter into its base: ftctl merge adapter=DIR output=DIR [base=DIR] [dtype=float32]
+  export         write a result as a transformers dir or a GGUF file: ftctl export model=RUN_DIR format=hf|gguf output=PATH
+  chat           talk to a model: ftctl chat model=NAME_OR_DIR_OR_GGUF [adapter=DIR] [prompt="..."]
+  generate       answer a file of prompts: ftctl generate model=NAME input=FILE output=FILE.jsonl
 """
+
+
+class _CurrentStdoutHandler(logging.StreamHandler):
+    """Writes to sys.stdout as it is at each message: in-process callers (tests) replace and close it."""
+
+    @property
+    def stream(self):
+        return sys.stdout
+
+    @stream.setter
+    def stream(self, _value):
+        pass
 
 
 def setup_logging(run_dir=None, debug: bool = False) -> None:
@@ -27,14 +46,23 @@ def setup_logging(run_dir=None, debug: bool = False) -> None:
     logger.setLevel(logging.DEBUG if debug else logging.INFO)
     logger.propagate = False
     if not any(isinstance(h, logging.StreamHandler) and getattr(h, "_ftctl", False) for h in logger.handlers):
-        handler = logging.StreamHandler(sys.stdout)
+        handler = _CurrentStdoutHandler()
         handler.setFormatter(logging.Formatter("[ftctl] %(message)s"))
         handler._ftctl = True
         logger.addHandler(handler)
+    close_run_log()
     if run_dir is not None:
         file_handler = logging.FileHandler(run_dir / "train.log")
         file_handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
+        file_handler._ftctl_run_log = True
         logger.addHandler(file_handler)
+
+
+def close_run_log() -> None:
+    logger = logging.getLogger("ftctl")
+    for handler in [h for h in logger.handlers if getattr(h, "_ftctl_run_log", False)]:
+        logger.removeHandler(handler)
+        handler.close()
 
 
 def _split_extra(overrides: List[str], *names: str):
@@ -54,19 +82,49 @@ def cmd_train(args) -> int:
         print(to_yaml(cfg), end="")
         return 0
     if args.dry_run:
-        print(to_yaml(cfg), end="")
-        print(f"# dry run: config valid; training would write to {cfg.output_dir}")
-        return 0
-    from ftctl.training.run_dir import prepare_run_dir
+        from ftctl.plan import describe_run
 
+        print(describe_run(cfg))
+        return 0
+    from ftctl.launch import check_launch, inside_launcher, launch_workers, world_size
+    from ftctl.worker import done_line
+    from ftctl.training.run_dir import discard_unstarted_run, prepare_run_dir
+
+    check_launch(cfg, args.overrides)  # before anything is written or started
+    if inside_launcher():  # torchrun, deepspeed or srun started this process once per rank
+        from ftctl.worker import train_under_launcher
+
+        result = train_under_launcher(cfg, args.debug)
+        if result is not None:  # rank 0
+            print(done_line(result))
+        return 0
+    if cfg.parallel.node_rank > 0:  # node 0 owns the run dir; this node only starts its own workers
+        launch_workers(cfg, Path(cfg.output_dir).expanduser())
+        return 0
     run_dir = prepare_run_dir(cfg)
     setup_logging(run_dir, args.debug)
     log.info("run dir %s (resolved config in config.yaml)", run_dir)
     from ftctl.training.runner import train
 
-    result = train(cfg, run_dir)
-    eval_part = f", eval loss {result.last_eval_loss:.4f}" if result.last_eval_loss is not None else ""
-    print(f"done: {result.steps} steps, final loss {result.last_loss:.4f}{eval_part} -> {result.final_dir}")
+    try:
+        if world_size(cfg) > 1:
+            launch_workers(cfg, run_dir, run_dir / "config.yaml")  # rank 0 prints the result line
+            return 0
+        result = train(cfg, run_dir)
+    except FtctlError:
+        close_run_log()
+        discard_unstarted_run(run_dir)
+        raise
+    print(done_line(result))
+    return 0
+
+
+def cmd_estimate(args) -> int:
+    from ftctl.config.compose import compose_config
+    from ftctl.estimate import estimate_for, format_table, to_json
+
+    estimate = estimate_for(compose_config(args.overrides))
+    print(to_json(estimate) if args.json else format_table(estimate))
     return 0
 
 
@@ -81,10 +139,30 @@ def cmd_recipes(args) -> int:
 
 
 def cmd_models(args) -> int:
-    from ftctl.models.aliases import aliases
+    from ftctl.models.aliases import alias_dir, aliases, resolve_alias
 
+    name = args.prepare or args.rebuild
+    if name:
+        if name not in aliases():
+            from ftctl.errors import did_you_mean
+
+            raise FtctlError(f"unknown model alias '{name}'.{did_you_mean(name, aliases())} Aliases: {', '.join(sorted(aliases()))}")
+        print(resolve_alias(name, rebuild=bool(args.rebuild)))
+        return 0
     for name, description in sorted(aliases().items()):
-        print(f"{name:<24}  {description}")
+        state = "ready" if alias_dir(name).is_dir() else "built on first use"
+        print(f"{name:<24}  {description} [{state}]")
+    return 0
+
+
+def cmd_eval(args) -> int:
+    from ftctl.evaluation.evaluate import request_from_overrides
+
+    request = request_from_overrides(args.overrides)
+    from ftctl.evaluation.evaluate import run_eval
+
+    summary = run_eval(request)
+    print(f"eval: {summary['metric']} {summary['score']:.3f} ({summary['correct']}/{summary['n']}) -> {request.output}/eval.json")
     return 0
 
 
@@ -110,9 +188,106 @@ def cmd_data_preview(args) -> int:
     return 0
 
 
+MERGE_KEYS = {
+    "adapter": "a run's final/ or checkpoints/step-N/ adapter dir (required)",
+    "output": "where to write the merged model dir (required)",
+    "base": "base model dir or alias; default: the one named in the adapter's adapter_config.json",
+    "dtype": "float32 (default), bfloat16 or float16",
+    "overwrite": "true to replace a non-empty output dir",
+    "dequantize": "QLoRA adapters: true (default) merges into the dequantised 4-bit base they trained on, false into the original weights",
+}
+
+
+def _parse_bool(key: str, value: str) -> bool:
+    if value.lower() in ("true", "false"):
+        return value.lower() == "true"
+    raise FtctlError(f"{key}={value}: expected true or false")
+
+
+def parse_key_values(items: List[str], keys: dict, command: str, example: str) -> dict:
+    """`ftctl COMMAND key=value ...` arguments as a dict; a malformed item or unknown key is one clear error."""
+    from ftctl.errors import did_you_mean
+
+    options = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not value:
+            raise FtctlError(f"cannot read '{item}': write key=value, for example {example}")
+        if key not in keys:
+            raise FtctlError(f"unknown {command} option '{key}'.{did_you_mean(key, keys)} Options: {', '.join(keys)}")
+        options[key] = value
+    return options
+
+
+def parse_merge_args(items: List[str]) -> dict:
+    """adapter=DIR output=DIR [base=DIR] [dtype=...] [overwrite=...] [dequantize=...] as keyword arguments."""
+    options = parse_key_values(items, MERGE_KEYS, "merge", "adapter=runs/x/final")
+    missing = [key for key in ("adapter", "output") if key not in options]
+    if missing:
+        raise FtctlError(f"merge needs {' and '.join(k + '=DIR' for k in missing)}: ftctl merge adapter=DIR output=DIR [base=DIR] [dtype=float32]")
+    for key in ("overwrite", "dequantize"):
+        if key in options:
+            options[key] = _parse_bool(key, options[key])
+    return options
+
+
+def cmd_merge(args) -> int:
+    options = parse_merge_args(args.options)
+    from ftctl.merging import merge
+
+    adapter, output = options.pop("adapter"), options.pop("output")
+    written = merge(adapter, output, **options)
+    print(f"merged {adapter} -> {written}")
+    return 0
+
+
+def cmd_export(args) -> int:
+    from ftctl.export import EXPORT_OPTIONS, export_model, request_from_options
+
+    request = request_from_options(parse_key_values(args.options, EXPORT_OPTIONS, "export", "format=gguf"))
+    written = export_model(request)
+    print(f"exported {request.model} -> {written}")
+    return 0
+
+
+def cmd_chat(args) -> int:
+    from ftctl.chat import CHAT_OPTIONS, run_chat
+
+    options = parse_key_values(args.options, CHAT_OPTIONS, "chat", "model=runs/x")
+    logger = logging.getLogger("ftctl")
+    level = logger.level
+    if not args.debug:  # progress lines would mix with the answers on stdout
+        logger.setLevel(logging.WARNING)
+    try:
+        return run_chat(options)
+    finally:
+        logger.setLevel(level)
+
+
+def cmd_generate(args) -> int:
+    from ftctl.chat import GENERATE_OPTIONS, run_generate
+
+    summary = run_generate(parse_key_values(args.options, GENERATE_OPTIONS, "generate", "input=prompts.jsonl"))
+    print(f"generated {summary['n']} answers -> {summary['output']}")
+    return 0
+
+
+def _key_value_command(sub, name: str, help_text: str, usage: str, keys: dict, func) -> None:
+    width = max(len(key) for key in keys) + 2
+    keys_help = "\n".join(f"  {key:<{width}} {text}" for key, text in keys.items())
+    command = sub.add_parser(
+        name, prog=f"ftctl {name}", help=help_text, formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=f"{usage}\n\nkeys:\n{keys_help}",
+    )
+    command.add_argument("options", nargs="*", help="key=value")
+    command.set_defaults(func=func)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ftctl", usage=USAGE, description="Configuration-driven LLM fine-tuning.")
     parser.add_argument("--debug", action="store_true", help="show tracebacks")
+    # The deepspeed launcher inserts --local_rank=N right after the program; the rank is read from LOCAL_RANK.
+    parser.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)
     sub = parser.add_subparsers(dest="command", metavar="command")
 
     train = sub.add_parser("train", help="fine-tune a model", description="ftctl train recipe=NAME [key=value ...]")
@@ -122,8 +297,46 @@ def build_parser() -> argparse.ArgumentParser:
     train.set_defaults(func=cmd_train)
 
     sub.add_parser("recipes", help="list recipe presets").set_defaults(func=cmd_recipes)
-    sub.add_parser("models", help="list built-in model aliases").set_defaults(func=cmd_models)
+    estimate = sub.add_parser(
+        "estimate", help="per-rank memory of a run by part, from the model config alone",
+        description="ftctl estimate recipe=NAME [key=value ...] [--json]: weights, gradients, optimizer states, "
+        "activations (with and without checkpointing) and total per rank, for the run's method, backend, "
+        "precision and world size. No weights are loaded.",
+    )
+    estimate.add_argument("overrides", nargs="*", help="config overrides, key=value (as for train)")
+    estimate.add_argument("--json", action="store_true", help="print a JSON object (weights_bytes, ..., total_bytes)")
+    estimate.set_defaults(func=cmd_estimate)
+    models = sub.add_parser("models", prog="ftctl models", help="list built-in model aliases", description="ftctl models [--prepare NAME | --rebuild NAME]")
+    models.add_argument("--prepare", metavar="NAME", help="build or convert the alias's model now (once) and print its dir")
+    models.add_argument("--rebuild", metavar="NAME", help="rebuild the alias's cached model dir, e.g. after a corrupt cache")
+    models.set_defaults(func=cmd_models)
+    from ftctl.evaluation.evaluate import EVAL_OPTIONS
+
+    eval_help = "\n".join(f"  {key:<19} {text}" for key, text in EVAL_OPTIONS.items())
+    evaluate = sub.add_parser(
+        "eval", prog="ftctl eval", help="generate on held-out data and score it", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=f"ftctl eval model=NAME data.path=FILE [adapter=DIR] [key=value ...]\n\nkeys:\n{eval_help}",
+    )
+    evaluate.add_argument("overrides", nargs="*", help="key=value")
+    evaluate.set_defaults(func=cmd_eval)
     sub.add_parser("config-docs", help="document every config key").set_defaults(func=cmd_config_docs)
+    merge_help = "\n".join(f"  {key:<11} {text}" for key, text in MERGE_KEYS.items())
+    merge = sub.add_parser(
+        "merge", help="merge a LoRA/DoRA/QLoRA adapter into its base", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=f"ftctl merge adapter=DIR output=DIR [key=value ...]\n\nkeys:\n{merge_help}",
+    )
+    merge.add_argument("options", nargs="*", help="key=value")
+    merge.set_defaults(func=cmd_merge)
+    from ftctl.chat import CHAT_OPTIONS, GENERATE_OPTIONS
+    from ftctl.export import EXPORT_OPTIONS
+
+    _key_value_command(sub, "export", "write a result as a transformers dir or one GGUF file",
+                       "ftctl export model=RUN_OR_MODEL_DIR format=hf|gguf output=PATH [key=value ...]", EXPORT_OPTIONS, cmd_export)
+    _key_value_command(sub, "chat", "chat with a model (stdin, or one prompt=)",
+                       "ftctl chat model=NAME_OR_DIR_OR_GGUF [adapter=DIR] [prompt=TEXT] [key=value ...]\n\n"
+                       "Reads one message per line until EOF or /exit; /reset starts a new conversation.", CHAT_OPTIONS, cmd_chat)
+    _key_value_command(sub, "generate", "answer every prompt of a file into a jsonl file",
+                       "ftctl generate model=NAME_OR_DIR_OR_GGUF input=FILE output=FILE.jsonl [key=value ...]", GENERATE_OPTIONS, cmd_generate)
 
     data = sub.add_parser("data", help="inspect training data")
     data_sub = data.add_subparsers(dest="data_command", metavar="subcommand")

@@ -57,13 +57,16 @@ class ParallelConfig:
     nnodes: int = option(1, "Number of nodes.")
     node_rank: int = option(0, "This node's rank among nnodes.")
     master_addr: str = option("127.0.0.1", "Address of the rank-0 node.")
-    master_port: int = option(29500, "Port of the rank-0 node.")
+    master_port: int = option(29500, "Port of the rank-0 node (multi-node runs; a one-node launch picks a free port).")
     rdzv_backend: str = option("static", "torchrun rendezvous backend: static or c10d.")
     rdzv_id: str = option("ftctl", "Rendezvous job id, shared by all nodes of one run.")
     dist_backend: str = option("auto", "Collective backend: auto (nccl on GPU, gloo on CPU), nccl or gloo.")
     offload_optimizer: Optional[str] = option(None, "ZeRO: offload optimizer states to 'cpu'.")
     offload_params: Optional[str] = option(None, "ZeRO-3 / FSDP: offload parameters to 'cpu'.")
     reshard_after_forward: bool = option(True, "FSDP: free gathered parameters after each layer's forward.")
+    zero3_persistence_threshold: int = option(
+        100000, "ZeRO-3: parameters with fewer elements stay whole on every rank (saves gathers of small tensors); 0 partitions all."
+    )
 
 
 @dataclass
@@ -86,6 +89,11 @@ class DataConfig:
     )
     system_prompt: Optional[str] = option(None, "System message added to examples that carry none.")
     pad_to_multiple_of: int = option(8, "Pad each micro-batch to a multiple of this many tokens.")
+    packing: bool = option(
+        False,
+        "Pack each micro-batch's examples into shared rows of up to max_seq_len tokens instead of padding "
+        "them; attention stays inside each example, so the loss is unchanged and padding is removed.",
+    )
     shuffle: bool = option(True, "Shuffle examples every epoch (seeded).")
     cache_dir: Optional[str] = option(None, "Tokenized-data cache; default $FTCTL_HOME/data_cache.")
 
@@ -102,7 +110,9 @@ class TrainConfig:
     adam_beta1: float = option(0.9, "AdamW beta1.")
     adam_beta2: float = option(0.999, "AdamW beta2.")
     adam_eps: float = option(1e-8, "AdamW epsilon.")
-    optimizer: str = option("adamw", "adamw, or (qlora, where bitsandbytes supports the device) paged_adamw_8bit / paged_adamw_32bit.")
+    optimizer: str = option(
+        "adamw", "adamw; for method=qlora also bitsandbytes adamw_8bit, or paged_adamw_8bit / paged_adamw_32bit (CUDA only)."
+    )
     max_grad_norm: float = option(1.0, "Gradient clipping norm; 0 disables clipping.")
     gradient_checkpointing: bool = option(False, "Recompute activations in backward to save memory.")
     log_every: int = option(1, "Write a metrics line every this many steps.")
@@ -111,6 +121,9 @@ class TrainConfig:
     keep_last: int = option(0, "Checkpoints to keep; 0 keeps all.")
     progress_bar: bool = option(True, "Show a progress bar on rank 0.")
     tensorboard: bool = option(True, "Also log metrics to TensorBoard under output_dir/tensorboard.")
+    max_nonfinite_steps: int = option(
+        0, "Steps with a NaN/inf loss or gradient to skip before stopping; the update of such a step is never applied."
+    )
     num_threads: int = option(0, "torch CPU threads per process; 0 = torch's default.")
 
 
@@ -124,7 +137,10 @@ class RunConfig:
     train: TrainConfig = option(factory=TrainConfig, help="The optimisation loop.")
     output_dir: str = option("runs/${now:%Y%m%d-%H%M%S}", "Run directory: config, metrics, checkpoints, final/.")
     seed: int = option(42, "Seed for data order, initialisation and dropout.")
-    overwrite: bool = option(False, "Allow training into a non-empty output_dir.")
+    overwrite: bool = option(False, "Start over in a non-empty output_dir, deleting its checkpoints and results.")
+    resume: Optional[str] = option(
+        None, "Continue a run: 'auto' (latest complete checkpoint in output_dir) or a checkpoint dir."
+    )
 
 
 METHODS = ("full", "lora", "qlora", "dora")

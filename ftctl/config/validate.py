@@ -42,7 +42,7 @@ def validate(cfg: RunConfig) -> None:
     _positive("train.micro_batch_size", t.micro_batch_size)
     _positive("train.global_batch_size", t.global_batch_size)
     _positive("train.lr", t.lr)
-    for key in ("warmup_steps", "log_every", "eval_every", "save_every", "keep_last", "num_threads"):
+    for key in ("warmup_steps", "log_every", "eval_every", "save_every", "keep_last", "num_threads", "max_nonfinite_steps"):
         _positive(f"train.{key}", getattr(t, key), allow_zero=True)
     _positive("train.max_grad_norm", t.max_grad_norm, allow_zero=True)
     _positive("train.weight_decay", t.weight_decay, allow_zero=True)
@@ -77,6 +77,11 @@ def validate(cfg: RunConfig) -> None:
     _choice("parallel.dist_backend", p.dist_backend, ("auto", "gloo", "nccl"))
     if p.offload_optimizer not in (None, "cpu") or p.offload_params not in (None, "cpu"):
         raise ConfigError("parallel.offload_optimizer and parallel.offload_params take 'cpu' or null")
+    from ftctl.parallel.support import config_refusal
+
+    reason = config_refusal(cfg)
+    if reason:
+        raise ConfigError(reason)
 
 
 def gradient_accumulation_steps(cfg: RunConfig, world_size: int) -> int:

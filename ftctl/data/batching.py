@@ -3,12 +3,18 @@
 The step sampler fixes the global batch of every step from the seed alone, so the same examples
 train at step s whatever the world size, micro-batch size or resume point; each rank takes its
 contiguous share of that global batch.
+
+A micro-batch is laid out one of two ways: padded (one example per row, right-padded to the
+longest) or packed (``data.packing``: the micro-batch's examples share rows of up to
+``data.max_seq_len`` tokens; positions restart at every example, which is how the model knows to
+keep attention inside each example). Either way it holds the same examples and the same trained
+labels, so the loss is the same; packing only removes padding.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Sequence
+from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 
@@ -45,18 +51,31 @@ class StepSampler:
 @dataclass
 class MicroBatch:
     input_ids: "torch.Tensor"  # noqa: F821
-    attention_mask: "torch.Tensor"  # noqa: F821
+    attention_mask: Optional["torch.Tensor"]  # noqa: F821  None when packed: position_ids mark the examples
     labels: "torch.Tensor"  # noqa: F821
     trained_tokens: int
     real_tokens: int
+    position_ids: Optional["torch.Tensor"] = None  # noqa: F821  restart at 0 at every packed example
+    positions: int = 0  # rows × width: every position the model computes, padding included
+
+    def model_inputs(self, device) -> Dict[str, "torch.Tensor"]:  # noqa: F821
+        inputs = {"input_ids": self.input_ids.to(device, non_blocking=True)}
+        if self.attention_mask is not None:
+            inputs["attention_mask"] = self.attention_mask.to(device, non_blocking=True)
+        if self.position_ids is not None:
+            inputs["position_ids"] = self.position_ids.to(device, non_blocking=True)
+        return inputs
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
 
 
 def collate(examples: Sequence, pad_token_id: int, pad_to_multiple_of: int = 8) -> MicroBatch:
     """Right-pad to the longest example (rounded up); padding is masked from attention and loss."""
     import torch
 
-    longest = max(len(ids) for ids, _ in examples)
-    width = -(-longest // pad_to_multiple_of) * pad_to_multiple_of
+    width = _round_up(max(len(ids) for ids, _ in examples), pad_to_multiple_of)
     ids = torch.full((len(examples), width), pad_token_id, dtype=torch.long)
     labels = torch.full((len(examples), width), IGNORE_INDEX, dtype=torch.long)
     mask = torch.zeros((len(examples), width), dtype=torch.long)
@@ -66,11 +85,100 @@ def collate(examples: Sequence, pad_token_id: int, pad_to_multiple_of: int = 8) 
         mask[row, : len(x)] = 1
     # A label at position t is predicted from position t-1, so the first token never counts.
     trained = int((labels[:, 1:] != IGNORE_INDEX).sum())
-    return MicroBatch(ids, mask, labels, trained, int(mask.sum()))
+    return MicroBatch(ids, mask, labels, trained, int(mask.sum()), positions=ids.numel())
+
+
+def pack_rows(lengths: Sequence[int], row_len: int) -> List[List[int]]:
+    """Group example indices into as few rows of at most ``row_len`` tokens as first fit finds, balanced.
+
+    First fit, longest first, fixes the number of rows; the examples are then dealt longest first
+    to the least-filled row, which keeps the longest row (the width every row is padded to) short.
+    When that deal overflows a row, the first-fit rows stand. Deterministic (ties keep input order);
+    an example is never split across rows.
+    """
+    order = sorted(range(len(lengths)), key=lambda k: (-lengths[k], k))
+    rows: List[List[int]] = []
+    room: List[int] = []
+    for i in order:
+        if lengths[i] > row_len:
+            raise ValueError(f"an example of {lengths[i]} tokens does not fit a packed row of {row_len}")
+        target = next((r for r, free in enumerate(room) if free >= lengths[i]), None)
+        if target is None:
+            rows.append([])
+            room.append(row_len)
+            target = len(rows) - 1
+        rows[target].append(i)
+        room[target] -= lengths[i]
+    balanced: List[List[int]] = [[] for _ in rows]
+    filled = [0] * len(rows)
+    for i in order:
+        target = min(range(len(rows)), key=lambda r: (filled[r], r))
+        balanced[target].append(i)
+        filled[target] += lengths[i]
+    chosen = balanced if max(filled) <= row_len else rows
+    return [sorted(row) for row in chosen]
+
+
+def pack_examples(examples: Sequence, row_len: int, pad_token_id: int, pad_to_multiple_of: int = 8) -> MicroBatch:
+    """Pack examples into shared rows, with positions restarting per example and no attention mask.
+
+    Without an attention mask and with restarting positions, transformers builds a block-diagonal
+    causal mask (``find_packed_sequence_indices``), so no token attends across an example boundary.
+    The padded tail of a row is one more "example" of pad tokens that nothing trains on.
+    """
+    import torch
+
+    lengths = [len(ids) for ids, _ in examples]
+    rows = pack_rows(lengths, row_len)
+    width = _round_up(max(sum(lengths[i] for i in row) for row in rows), pad_to_multiple_of)
+    ids = np.full((len(rows), width), pad_token_id, dtype=np.int64)
+    labels = np.full((len(rows), width), IGNORE_INDEX, dtype=np.int64)
+    positions = np.zeros((len(rows), width), dtype=np.int64)
+    for r, row in enumerate(rows):
+        start = 0
+        for i in row:
+            x, y = examples[i]
+            end = start + len(x)
+            ids[r, start:end] = x
+            labels[r, start:end] = y
+            # An example's first token would be predicted from the previous example's last one; an
+            # unpacked batch never trains it either (it has no predecessor).
+            labels[r, start] = IGNORE_INDEX
+            positions[r, start:end] = np.arange(len(x))
+            start = end
+        positions[r, start:] = np.arange(width - start)
+    trained = int((labels[:, 1:] != IGNORE_INDEX).sum())
+    return MicroBatch(
+        torch.from_numpy(ids), None, torch.from_numpy(labels), trained, sum(lengths),
+        position_ids=torch.from_numpy(positions), positions=ids.size,
+    )
+
+
+@dataclass(frozen=True)
+class Batching:
+    """How a list of example indices becomes micro-batches: ``micro_batch_size`` examples each, padded or packed."""
+
+    micro_batch_size: int
+    pad_token_id: int
+    pad_to_multiple_of: int = 8
+    pack_to: int = 0  # packed row length; 0 = padded rows
+
+    @classmethod
+    def from_config(cls, cfg, pad_token_id: int) -> "Batching":
+        d = cfg.data
+        return cls(cfg.train.micro_batch_size, pad_token_id, d.pad_to_multiple_of, d.max_seq_len if d.packing else 0)
+
+    def __call__(self, dataset, indices: Sequence[int]) -> List[MicroBatch]:
+        out = []
+        for j in range(0, len(indices), self.micro_batch_size):
+            examples = [dataset[i] for i in indices[j : j + self.micro_batch_size]]
+            if self.pack_to:
+                out.append(pack_examples(examples, self.pack_to, self.pad_token_id, self.pad_to_multiple_of))
+            else:
+                out.append(collate(examples, self.pad_token_id, self.pad_to_multiple_of))
+        return out
 
 
 def micro_batches(dataset, indices: Sequence[int], micro_batch_size: int, pad_token_id: int, pad_to_multiple_of: int):
-    return [
-        collate([dataset[i] for i in indices[j : j + micro_batch_size]], pad_token_id, pad_to_multiple_of)
-        for j in range(0, len(indices), micro_batch_size)
-    ]
+    """Padded micro-batches (see :class:`Batching` for packed ones)."""
+    return Batching(micro_batch_size, pad_token_id, pad_to_multiple_of)(dataset, indices)

@@ -15,6 +15,6 @@ def create_method(cfg: RunConfig) -> Method:
         from ftctl.methods.full import FullFineTuning
 
         return FullFineTuning(cfg)
-    from ftctl.methods.adapters import AdapterMethod
+    from ftctl.methods.adapters import AdapterMethod, QuantizedAdapterMethod
 
-    return AdapterMethod(cfg)
+    return QuantizedAdapterMethod(cfg) if cfg.method.name == "qlora" else AdapterMethod(cfg)

@@ -1,21 +1,34 @@
 """Adapter methods: LoRA, and its variants DoRA (``use_dora``) and QLoRA (a 4-bit base).
 
-They differ only in how the base is loaded and in one flag of the peft LoraConfig, so they share
-this class; the quantised base of QLoRA comes from :mod:`ftctl.methods.quantization`.
+They differ only in how the base is loaded and in one flag of the peft LoraConfig, so LoRA and
+DoRA share :class:`AdapterMethod` and QLoRA only swaps its base loader
+(:class:`QuantizedAdapterMethod`, with the quantisation in :mod:`ftctl.methods.quantization`).
+Every saved adapter dir also holds ``ftctl_adapter.json``, which tells ``ftctl merge`` how the
+base was loaded (for QLoRA, the exact quantisation settings).
 """
 
 from __future__ import annotations
 
-from typing import List, Union
+import json
+from pathlib import Path
+from typing import List, Optional, Union
 
 import torch
 
 from ftctl.methods.base import Method
 from ftctl.models.loading import load_causal_lm
 
+ADAPTER_INFO_FILE = "ftctl_adapter.json"
+
 
 def lora_target_modules(names: List[str]) -> Union[str, List[str]]:
     return "all-linear" if list(names) == ["all-linear"] else list(names)
+
+
+def read_adapter_info(adapter_dir: Path) -> Optional[dict]:
+    """What :meth:`AdapterMethod.save` recorded about the base, or None for adapters made elsewhere."""
+    path = Path(adapter_dir) / ADAPTER_INFO_FILE
+    return json.loads(path.read_text()) if path.is_file() else None
 
 
 class AdapterMethod(Method):
@@ -28,6 +41,10 @@ class AdapterMethod(Method):
         # Frozen base weights may sit in the compute dtype; LoRA weights are created fp32 below.
         base = load_causal_lm(self.cfg.model, model_path, dtype=precision.frozen_weight_dtype())
         return base.to(device)
+
+    def base_info(self) -> dict:
+        """How the base was loaded, as far as a merge needs to know."""
+        return {"quantization": None}
 
     def build_model(self, model_path, precision, device):
         from peft import LoraConfig, get_peft_model
@@ -58,10 +75,42 @@ class AdapterMethod(Method):
         return model
 
     def trainable_state_dict(self, model, full_state):
-        from peft import get_peft_model_state_dict
+        # Kept in the model's own key names: peft's save_pretrained picks and renames the adapter's
+        # entries itself, and resolves modules_to_save only from those names.
+        trained = [name for name, param in model.named_parameters() if param.requires_grad]
+        missing = [name for name in trained if name not in full_state]
+        if missing:
+            raise RuntimeError(f"the gathered state dict lacks trained weights, e.g. {missing[:3]}")
+        return {name: full_state[name] for name in trained}
 
-        return get_peft_model_state_dict(model, state_dict=full_state)
+    def load_checkpoint_weights(self, model, ckpt_dir):
+        from peft import set_peft_model_state_dict
+        from safetensors.torch import load_file
+
+        result = set_peft_model_state_dict(model, load_file(ckpt_dir / "adapter_model.safetensors"))
+        if getattr(result, "unexpected_keys", None):
+            from ftctl.errors import FtctlError
+
+            raise FtctlError(f"{ckpt_dir} holds adapter weights this model lacks: {result.unexpected_keys[:3]}")
 
     def save(self, model, tokenizer, out_dir, state_dict=None):
         model.save_pretrained(out_dir, state_dict=state_dict, safe_serialization=True)
         tokenizer.save_pretrained(out_dir)
+        info = {"method": self.name, "use_dora": self.use_dora, **self.base_info()}
+        (Path(out_dir) / ADAPTER_INFO_FILE).write_text(json.dumps(info, indent=2) + "\n")
+
+
+class QuantizedAdapterMethod(AdapterMethod):
+    """QLoRA (and QDoRA with ``use_dora``): the same adapters over a base quantised to 4 bits."""
+
+    settings = None
+
+    def load_base(self, model_path, precision, device):
+        from ftctl.methods.quantization import QuantSettings, load_4bit, prepare_for_kbit_training
+
+        self.settings = QuantSettings.from_method(self.cfg.method, precision.compute_dtype)
+        base = load_4bit(self.cfg.model, model_path, self.settings, device)
+        return prepare_for_kbit_training(base, self.cfg.train.gradient_checkpointing)
+
+    def base_info(self):
+        return {"quantization": self.settings.to_dict()}

@@ -31,6 +31,10 @@ class Method:
         """Write the result as a directory the Hugging Face tools load directly (safetensors only)."""
         raise NotImplementedError
 
+    def load_checkpoint_weights(self, model: torch.nn.Module, ckpt_dir: Path) -> None:
+        """Load the weights a checkpoint written by :meth:`save` holds into a freshly built model."""
+        raise NotImplementedError
+
     @staticmethod
     def count_parameters(model: torch.nn.Module) -> Dict[str, int]:
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, Dict, Optional
 
 import torch
@@ -15,7 +16,7 @@ from ftctl.precision import PrecisionPolicy
 @dataclass
 class StepResult:
     grad_norm: float
-    skipped: bool  # an fp16 overflow: the scaler skipped the update
+    skipped: bool  # no update applied: an fp16 overflow, or non-finite gradients without a scaler
 
 
 class Engine:
@@ -45,11 +46,12 @@ class Engine:
     def loss_scale(self) -> Optional[float]:
         return None
 
-    def state_dict(self) -> dict:
-        """Optimizer and scaler state for a checkpoint."""
+    def save_training_state(self, ckpt_dir: Path, rank: int) -> None:
+        """Write optimizer and scaler state into a checkpoint dir; collective, every rank calls it."""
         raise NotImplementedError
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_training_state(self, ckpt_dir: Path, rank: int) -> None:
+        """Restore what :meth:`save_training_state` wrote (same backend and world size)."""
         raise NotImplementedError
 
 
@@ -86,8 +88,10 @@ class TorchEngine(Engine):
             self.scaler.step(self.optimizer)
             self.scaler.update()
             skipped = self.scaler.get_scale() < scale_before
-        else:
+        elif torch.isfinite(norm):
             self.optimizer.step()
+        else:
+            skipped = True  # a NaN/inf update would destroy the weights; the runner decides whether to go on
         self.optimizer.zero_grad(set_to_none=True)
         return StepResult(float(norm), skipped)
 
@@ -97,10 +101,12 @@ class TorchEngine(Engine):
     def gathered_state_dict(self):
         return {k: v.detach().cpu() for k, v in self.module.state_dict().items()}
 
-    def state_dict(self):
-        return {"optimizer": self.optimizer.state_dict(), "scaler": self.scaler.state_dict() if self.scaler else None}
+    def save_training_state(self, ckpt_dir, rank):
+        state = {"optimizer": self.optimizer.state_dict(), "scaler": self.scaler.state_dict() if self.scaler else None}
+        torch.save(state, Path(ckpt_dir) / f"optimizer.rank{rank}.pt")
 
-    def load_state_dict(self, state):
+    def load_training_state(self, ckpt_dir, rank):
+        state = torch.load(Path(ckpt_dir) / f"optimizer.rank{rank}.pt", weights_only=True)
         self.optimizer.load_state_dict(state["optimizer"])
         if self.scaler and state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
@@ -120,6 +126,11 @@ class Backend:
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+    @property
+    def build_device(self) -> torch.device:
+        """Where the method should materialise the model before :meth:`prepare` takes it over."""
+        return self.device
 
     def prepare(self, model: torch.nn.Module, make_optimizer: Callable, precision: PrecisionPolicy) -> Engine:
         raise NotImplementedError

@@ -45,7 +45,9 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def save_checkpoint(run_dir: Path, step: int, *, backend, engine, method, model, tokenizer, extra: dict) -> Optional[Path]:
+def save_checkpoint(
+    run_dir: Path, step: int, *, backend, engine, method, model, tokenizer, extra: dict, keep_last: int = 0
+) -> Optional[Path]:
     """Every rank calls this (gathering is collective); the main rank writes the shared files."""
     final = checkpoints_dir(run_dir) / f"step-{step}"
     staging = final.with_name(f".step-{step}.partial")
@@ -55,13 +57,14 @@ def save_checkpoint(run_dir: Path, step: int, *, backend, engine, method, model,
         staging.mkdir(parents=True)
         method.save(model, tokenizer, staging, state_dict=method.trainable_state_dict(model, state))
     backend.barrier()
-    torch.save(engine.state_dict(), staging / f"optimizer.rank{backend.rank}.pt")
+    engine.save_training_state(staging, backend.rank)
     torch.save(rng_state(), staging / f"rng.rank{backend.rank}.pt")
     backend.barrier()
     if backend.is_main:
         (staging / STATE_FILE).write_text(json.dumps({"step": step, "world_size": backend.world_size, **extra}, indent=2))
         shutil.rmtree(final, ignore_errors=True)
         os.replace(staging, final)
+        prune_checkpoints(run_dir, keep_last)  # only now that the new checkpoint is complete
     backend.barrier()
     return final
 

@@ -1,21 +1,171 @@
-"""The loss: a sum of token cross-entropies, so the caller can normalise by the global batch's trained tokens."""
+"""The loss: a sum of token cross-entropies, so the caller can normalise by the global batch's trained tokens.
+
+The costly part of a causal-LM loss is the output head: full (batch, length, vocabulary) fp32
+logits, their log-softmax and their gradient are each as large as many layers' activations put
+together, and most positions (prompt, padding) do not even train. So where the model's forward is
+known to return ``lm_head(hidden)`` unchanged, the head is made to compute the loss itself for
+the duration of one forward call: it keeps only the positions that carry a trained label, and
+runs them through the head weight in chunks, each chunk's softmax turned into its gradient right
+away (:class:`LinearCrossEntropy`). The full logits never exist, and the backward pass is two
+scalings. The head stays the model's own module, called inside the model's own forward, so
+wrappers (peft, DDP, FSDP, DeepSpeed) see the calls they expect. Any other model takes the plain
+path: full logits, then ``cross_entropy``.
+"""
 
 from __future__ import annotations
+
+import contextlib
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
 from ftctl.data.render import IGNORE_INDEX
+from ftctl.models.architecture import HEAD_RETURNS_PLAIN_LOGITS
+
+#: Logits held at once per chunk (fp32): 8 Mi elements = 32 MiB, large enough for efficient matmuls.
+CHUNK_ELEMENTS = 1 << 23
+
+
+
+def next_token_targets(labels: torch.Tensor) -> torch.Tensor:
+    """The label each position predicts (the next token's), ignored at the last position."""
+    targets = torch.full_like(labels, IGNORE_INDEX)
+    targets[:, :-1] = labels[:, 1:]
+    return targets
 
 
 def token_loss_sum(module: torch.nn.Module, batch, device: torch.device) -> torch.Tensor:
-    input_ids = batch.input_ids.to(device, non_blocking=True)
-    attention_mask = batch.attention_mask.to(device, non_blocking=True)
-    labels = batch.labels.to(device, non_blocking=True)
-    logits = module(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
-    return F.cross_entropy(
-        logits[:, :-1].float().reshape(-1, logits.size(-1)),
-        labels[:, 1:].reshape(-1),
-        ignore_index=IGNORE_INDEX,
-        reduction="sum",
-    )
+    """Sum of the cross-entropies of every trained token of ``batch`` (padded or packed)."""
+    inputs = batch.model_inputs(device)
+    targets = next_token_targets(batch.labels).to(device, non_blocking=True)
+    head = head_for_loss(module)
+    if head is None:
+        logits = module(**inputs, use_cache=False).logits
+        return F.cross_entropy(
+            logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum"
+        )
+    with _head_computes_loss(head, targets):
+        # The head returned the loss in place of the logits.
+        return module(**inputs, use_cache=False).logits
+
+
+def head_for_loss(module: torch.nn.Module) -> Optional[torch.nn.Linear]:
+    """The output head if it can compute the loss itself (see the module docstring), else None."""
+    inner = module
+    # DDP and DeepSpeed keep the model in `.module`; peft and FSDP2 answer for the model directly.
+    while not hasattr(inner, "get_output_embeddings"):
+        inner = getattr(inner, "module", None)
+        if not isinstance(inner, torch.nn.Module):
+            return None
+    config = getattr(inner, "config", None)
+    if getattr(config, "model_type", None) not in HEAD_RETURNS_PLAIN_LOGITS:
+        return None
+    head = inner.get_output_embeddings()
+    # A quantised, adapted or wrapped head (bitsandbytes, a LoRA layer on lm_head, modules_to_save)
+    # does not hold a plain (vocab, hidden) weight; it takes the plain path.
+    if not isinstance(head, torch.nn.Linear) or tuple(head.weight.shape) != (head.out_features, head.in_features):
+        return None
+    if not head.weight.dtype.is_floating_point:
+        return None
+    return head
+
+
+@contextlib.contextmanager
+def _head_computes_loss(head: torch.nn.Linear, targets: torch.Tensor):
+    """For one forward call, ``head(hidden)`` returns the summed token loss of ``hidden`` against ``targets``."""
+
+    def loss_forward(hidden: torch.Tensor) -> torch.Tensor:
+        return linear_cross_entropy_sum(hidden, head.weight, head.bias, targets)
+
+    previous = head.__dict__.get("forward")
+    head.forward = loss_forward
+    try:
+        yield
+    finally:
+        if previous is None:
+            del head.forward
+        else:
+            head.forward = previous
+
+
+def linear_cross_entropy_sum(hidden, weight, bias, targets) -> torch.Tensor:
+    """``cross_entropy(hidden @ weight.T + bias, targets, reduction="sum")`` over the non-ignored targets only."""
+    keep = targets != IGNORE_INDEX
+    selected = hidden[keep]
+    if selected.shape[0] == 0:
+        return hidden.sum() * 0.0  # keeps the graph connected for a micro-batch with nothing to train
+    return LinearCrossEntropy.apply(selected, weight, bias, targets[keep], torch.is_grad_enabled())
+
+
+class LinearCrossEntropy(torch.autograd.Function):
+    """Summed cross-entropy of ``hidden @ weight.T + bias``, chunk by chunk, gradients computed on the way.
+
+    Each chunk's logits become softmax - one-hot (the gradient of the summed loss) in place and are
+    multiplied straight into the gradients of ``hidden`` and ``weight``; backward only scales them.
+    No logits outlive their chunk, and none is computed twice. Matmuls run in the autocast dtype when
+    autocast is on; softmax and gradient accumulation stay fp32.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, track_grads: bool):
+        device = hidden.device
+        autocast_on = torch.is_autocast_enabled(device.type)
+        compute_dtype = torch.get_autocast_dtype(device.type) if autocast_on else hidden.dtype
+        # Grad mode is off inside forward; the caller's mode says whether anything will call backward.
+        want_hidden_grad, want_weight_grad, want_bias_grad = (track_grads and need for need in ctx.needs_input_grad[:3])
+        n, vocab = hidden.shape[0], weight.shape[0]
+        rows = max(1, CHUNK_ELEMENTS // vocab)
+        with torch.autocast(device.type, enabled=False):
+            w = weight.to(compute_dtype)
+            b = bias.float() if bias is not None else None
+            grad_hidden = torch.empty(hidden.shape, dtype=torch.float32, device=device) if want_hidden_grad else None
+            grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=device) if want_weight_grad else None
+            grad_bias = torch.zeros(vocab, dtype=torch.float32, device=device) if want_bias_grad else None
+            total = torch.zeros((), dtype=torch.float64, device=device)
+            fp32 = compute_dtype == torch.float32
+            buffer = torch.empty((min(rows, n), vocab), dtype=torch.float32, device=device) if fp32 else None
+            for start in range(0, n, rows):
+                end = min(start + rows, n)
+                h = hidden[start:end].to(compute_dtype)
+                t = targets[start:end]
+                if fp32:
+                    logits = torch.mm(h, w.t(), out=buffer[: end - start])
+                else:
+                    logits = torch.mm(h, w.t()).float()
+                if b is not None:
+                    logits += b
+                target_logit = logits.gather(1, t[:, None]).squeeze(1)
+                peak = logits.amax(dim=1, keepdim=True)
+                logits.sub_(peak).exp_()
+                norm = logits.sum(dim=1, keepdim=True)
+                total += (peak.squeeze(1) + norm.log().squeeze(1) - target_logit).sum(dtype=torch.float64)
+                if grad_hidden is None and grad_weight is None and grad_bias is None:
+                    continue
+                # d(sum of losses)/d(logits) = softmax - one_hot(target)
+                grad_logits = logits.div_(norm)
+                grad_logits[torch.arange(end - start, device=device), t] -= 1.0
+                if grad_hidden is not None:
+                    if fp32:
+                        torch.mm(grad_logits, w, out=grad_hidden[start:end])
+                    else:
+                        grad_hidden[start:end] = torch.mm(grad_logits.to(compute_dtype), w)
+                if grad_weight is not None:
+                    grad_weight.addmm_(grad_logits.t(), h.float())
+                if grad_bias is not None:
+                    grad_bias += grad_logits.sum(dim=0)
+        ctx.save_for_backward(
+            *(x if x is not None else torch.empty(0) for x in (grad_hidden, grad_weight, grad_bias))
+        )
+        ctx.present = (grad_hidden is not None, grad_weight is not None, grad_bias is not None)
+        ctx.dtypes = (hidden.dtype, weight.dtype, bias.dtype if bias is not None else None)
+        return total.float()
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        saved = ctx.saved_tensors
+        grads = [
+            (g * grad_output).to(dtype) if present else None
+            for g, present, dtype in zip(saved, ctx.present, ctx.dtypes)
+        ]
+        return grads[0], grads[1], grads[2], None, None

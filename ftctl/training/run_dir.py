@@ -2,23 +2,83 @@
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 
-from ftctl.config.compose import to_yaml
+from ftctl.config.compose import load_resolved, to_yaml
 from ftctl.config.schema import RunConfig
 from ftctl.errors import FtctlError
+from ftctl.training.checkpoint import STATE_FILE, complete_checkpoints
 
 CONFIG_FILE = "config.yaml"
+#: What a run writes into its dir; overwrite=true deletes exactly these.
+RUN_OUTPUTS = ("checkpoints", "final", "metrics.jsonl", "tensorboard", "train.log", CONFIG_FILE)
+
+
+def preflight(cfg: RunConfig) -> None:
+    """Cheap checks of the files a run needs, so a typo fails before anything is written."""
+    from ftctl.models.aliases import is_alias
+    from ftctl.models.loading import resolve_model_path
+
+    if not is_alias(cfg.model.name_or_path):
+        resolve_model_path(cfg.model.name_or_path)
+    for key, value in (("data.path", cfg.data.path), ("data.eval_path", cfg.data.eval_path)):
+        if value and not Path(value).expanduser().is_file():
+            raise FtctlError(f"{key}={value}: no such file")
 
 
 def prepare_run_dir(cfg: RunConfig) -> Path:
+    """Create or reuse the run dir under the rules of a fresh start, overwrite=true or resume."""
+    preflight(cfg)
     run_dir = Path(cfg.output_dir).expanduser()
-    if run_dir.exists() and any(run_dir.iterdir()) and not cfg.overwrite:
+    occupied = run_dir.exists() and any(run_dir.iterdir())
+    if cfg.resume:
+        _check_resumable(cfg, run_dir)
+    elif occupied and not cfg.overwrite:
+        resumable = bool(complete_checkpoints(run_dir))
         raise FtctlError(
-            f"output_dir {run_dir} is not empty; choose another output_dir, or pass overwrite=true to train into it"
+            f"output_dir {run_dir} is not empty; "
+            + ("continue it with resume=auto, " if resumable else "")
+            + "choose another output_dir, or pass overwrite=true to start over (its checkpoints and results are deleted)"
         )
+    elif occupied:
+        for child in RUN_OUTPUTS:
+            target = run_dir / child
+            shutil.rmtree(target) if target.is_dir() else target.unlink(missing_ok=True)
     run_dir.mkdir(parents=True, exist_ok=True)
-    for stale in ("metrics.jsonl",):
-        (run_dir / stale).unlink(missing_ok=True)
     (run_dir / CONFIG_FILE).write_text(to_yaml(cfg))
     return run_dir
+
+
+def discard_unstarted_run(run_dir: Path) -> None:
+    """After a failure before the first step: remove what this run wrote, so nothing half-written stays."""
+    started = (run_dir / "metrics.jsonl").is_file() and (run_dir / "metrics.jsonl").stat().st_size > 0
+    if started or (run_dir / "checkpoints").exists() or (run_dir / "final").exists():
+        return
+    for child in RUN_OUTPUTS:
+        target = run_dir / child
+        shutil.rmtree(target, ignore_errors=True) if target.is_dir() else target.unlink(missing_ok=True)
+    if run_dir.is_dir() and not any(run_dir.iterdir()):
+        run_dir.rmdir()
+
+
+def _check_resumable(cfg: RunConfig, run_dir: Path) -> None:
+    from ftctl.training.resume import config_differences, resume_checkpoint
+
+    ckpt = resume_checkpoint(cfg, run_dir)
+    if ckpt is None:
+        return  # resume=auto with nothing to resume: a fresh start, as a preemptible job expects
+    source = ckpt.parent.parent / CONFIG_FILE
+    if source.is_file():
+        differing = config_differences(load_resolved(source), cfg)
+        if differing:
+            raise FtctlError(
+                f"cannot resume from {ckpt}: the config differs in {', '.join(differing)}; "
+                "resume with the original values, or start a new run"
+            )
+    step = json.loads((ckpt / STATE_FILE).read_text())["step"]
+    metrics = run_dir / "metrics.jsonl"
+    if metrics.is_file():  # drop lines of steps that will be trained again
+        kept = [line for line in metrics.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= step]
+        metrics.write_text("".join(line + "\n" for line in kept))

@@ -20,15 +20,18 @@ import torch
 
 from ftctl.config.schema import RunConfig
 from ftctl.config.validate import gradient_accumulation_steps
-from ftctl.data.batching import StepSampler, micro_batches
+from ftctl.data.batching import Batching, StepSampler
 from ftctl.data.dataset import build_datasets
 from ftctl.methods import create_method
 from ftctl.models.loading import load_tokenizer, resolve_model_path
 from ftctl.parallel import create_backend
 from ftctl.precision import resolve_precision
-from ftctl.training.checkpoint import prune_checkpoints, save_checkpoint
+from ftctl.training.checkpoint import save_checkpoint
+from ftctl.training.interrupts import NonFiniteTraining, StopRequest, TrainingInterrupted
 from ftctl.training.loss import token_loss_sum
 from ftctl.training.metrics import MetricsLogger
+from ftctl.training.optimizers import build_optimizer
+from ftctl.training.resume import restore_training_state, resume_checkpoint
 from ftctl.training.schedule import learning_rate
 
 log = logging.getLogger("ftctl")
@@ -41,6 +44,7 @@ class TrainResult:
     steps: int
     last_loss: float
     last_eval_loss: Optional[float]
+    model: Optional[torch.nn.Module] = None  # the trained module, for callers that train in-process
 
 
 def seed_everything(seed: int) -> None:
@@ -70,11 +74,15 @@ def _train(cfg: RunConfig, run_dir: Path, backend) -> TrainResult:
     train_data, eval_data = build_datasets(cfg.data, tokenizer, cfg.seed)
     _log_data(backend, train_data, eval_data)
 
-    model = method.build_model(model_path, precision, backend.device)
+    model = method.build_model(model_path, precision, backend.build_device)
+    resume_from = resume_checkpoint(cfg, run_dir)
+    if resume_from is not None:
+        method.load_checkpoint_weights(model, resume_from)
     if t.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     counts = method.count_parameters(model)
-    engine = backend.prepare(model, lambda m: _adamw(m, cfg), precision)
+    engine = backend.prepare(model, lambda m: build_optimizer(m, cfg, backend.device), precision)
+    start_step = restore_training_state(resume_from, engine, backend) if resume_from is not None else 0
     accumulation = gradient_accumulation_steps(cfg, backend.world_size)
     if backend.is_main:
         log.info(
@@ -84,17 +92,24 @@ def _train(cfg: RunConfig, run_dir: Path, backend) -> TrainResult:
         )
 
     sampler = StepSampler(len(train_data), t.global_batch_size, cfg.seed, cfg.data.shuffle)
-    metrics = MetricsLogger(run_dir, t.max_steps, 0, enabled=backend.is_main, tensorboard=t.tensorboard, progress_bar=t.progress_bar)
+    metrics = MetricsLogger(run_dir, t.max_steps, start_step, enabled=backend.is_main, tensorboard=t.tensorboard, progress_bar=t.progress_bar)
     pad_id = tokenizer.pad_token_id
-    loss_value, eval_loss, skipped_steps = float("nan"), None, 0
-    window_tokens, window_start = 0, time.perf_counter()
+    loss_value, eval_loss, skipped_steps, nonfinite_steps = float("nan"), None, 0, 0
+    checkpoint = lambda step: save_checkpoint(  # noqa: E731
+        run_dir, step, backend=backend, engine=engine, method=method, model=model, tokenizer=tokenizer,
+        extra={"loss": loss_value}, keep_last=t.keep_last,
+    )
+    make_batches = Batching.from_config(cfg, pad_id)
+    # real tokens, trained tokens, computed positions (padding included) since the last metrics line
+    window_counts, window_start = torch.zeros(3, dtype=torch.float64), time.perf_counter()
     engine.module.train()
+    stop = StopRequest().__enter__()
     try:
-        for step in range(t.max_steps):
+        for step in range(start_step, t.max_steps):
             lr = learning_rate(step, t)
             engine.set_lr(lr)
             indices = sampler.rank_share(step, backend.rank, backend.world_size)
-            batches = micro_batches(train_data, indices, t.micro_batch_size, pad_id, cfg.data.pad_to_multiple_of)
+            batches = make_batches(train_data, indices)
             # Normalise by the trained tokens of the whole global batch, so the update does not depend
             # on how the batch is split over micro-batches and ranks.
             global_tokens = backend.all_reduce_sum(torch.tensor(float(sum(b.trained_tokens for b in batches))))
@@ -109,11 +124,18 @@ def _train(cfg: RunConfig, run_dir: Path, backend) -> TrainResult:
             result = engine.step(t.max_grad_norm)
             skipped_steps += result.skipped
             loss_value = float(backend.all_reduce_sum(loss_sum) / global_tokens)
-            if not np.isfinite(loss_value):
-                from ftctl.errors import FtctlError
-
-                raise FtctlError(f"step {step + 1}: the loss is {loss_value}; lower train.lr or use precision=fp32")
-            window_tokens += int(backend.all_reduce_sum(torch.tensor(float(sum(b.real_tokens for b in batches)))))
+            if not np.isfinite(loss_value) or (not precision.needs_scaler and not np.isfinite(result.grad_norm)):
+                # The engine never applies a non-finite update, so the weights are still the last good ones.
+                nonfinite_steps += 1
+                if nonfinite_steps > t.max_nonfinite_steps:
+                    kept = checkpoint(step) if step > 0 else None
+                    raise NonFiniteTraining(step + 1, loss_value, result.grad_norm, kept)
+                log.warning("step %d: non-finite loss or gradients; update skipped (%d of %d allowed)",
+                            step + 1, nonfinite_steps, t.max_nonfinite_steps)
+            real, positions = backend.all_reduce_sum(
+                torch.tensor([sum(b.real_tokens for b in batches), sum(b.positions for b in batches)], dtype=torch.float64)
+            ).tolist()
+            window_counts += torch.tensor([real, float(global_tokens), positions], dtype=torch.float64)
             done = step + 1
             metrics.advance()
             if done % t.log_every == 0 or done == t.max_steps:
@@ -122,24 +144,32 @@ def _train(cfg: RunConfig, run_dir: Path, backend) -> TrainResult:
                     "loss": loss_value,
                     "lr": lr,
                     "grad_norm": result.grad_norm,
-                    "tokens_per_s": window_tokens / max(elapsed, 1e-9),
+                    "tokens_per_s": float(window_counts[0]) / max(elapsed, 1e-9),
+                    "trained_tokens_per_s": float(window_counts[1]) / max(elapsed, 1e-9),
+                    # Shares of the computed positions: padding, and everything without a trained label.
+                    "padding_waste": 1.0 - float(window_counts[0] / window_counts[2]),
+                    "non_trained_share": 1.0 - float(window_counts[1] / window_counts[2]),
                     "trained_tokens": int(global_tokens),
                     "epoch": sampler.epoch(done),
                 }
                 if precision.needs_scaler:
                     entry.update(loss_scale=engine.loss_scale(), skipped_steps=skipped_steps)
                 metrics.log(done, entry)
-                window_tokens, window_start = 0, time.perf_counter()
+                window_counts, window_start = torch.zeros(3, dtype=torch.float64), time.perf_counter()
             if eval_data is not None and ((t.eval_every and done % t.eval_every == 0) or done == t.max_steps):
                 eval_loss = evaluate(engine, eval_data, cfg, backend, precision, pad_id)
                 metrics.log(done, {"eval_loss": eval_loss})
             if t.save_every and done % t.save_every == 0 and done < t.max_steps:
-                save_checkpoint(run_dir, done, backend=backend, engine=engine, method=method, model=model,
-                                tokenizer=tokenizer, extra={"loss": loss_value})
-                if backend.is_main:
-                    prune_checkpoints(run_dir, t.keep_last)
+                checkpoint(done)
+            if stop.requested(backend):
+                kept = checkpoint(done)
+                raise TrainingInterrupted(
+                    f"{stop.signal_name} at step {done}: checkpoint saved to {kept}; continue with the same command "
+                    f"plus resume=auto (output_dir={run_dir})"
+                )
     finally:
         metrics.close()
+        stop.__exit__()
 
     final_dir = run_dir / "final"
     state = engine.gathered_state_dict()
@@ -147,7 +177,7 @@ def _train(cfg: RunConfig, run_dir: Path, backend) -> TrainResult:
         method.save(model, tokenizer, final_dir, state_dict=method.trainable_state_dict(model, state))
         log.info("saved %s result to %s (final loss %.4f)", method.name, final_dir, loss_value)
     backend.barrier()
-    return TrainResult(run_dir, final_dir, t.max_steps, loss_value, eval_loss)
+    return TrainResult(run_dir, final_dir, t.max_steps, loss_value, eval_loss, model)
 
 
 @torch.no_grad()
@@ -156,24 +186,12 @@ def evaluate(engine, eval_data, cfg: RunConfig, backend, precision, pad_id: int)
     engine.module.eval()
     indices = list(range(backend.rank, len(eval_data), backend.world_size))
     total, tokens = torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.float64)
-    for batch in micro_batches(eval_data, indices, cfg.train.micro_batch_size, pad_id, cfg.data.pad_to_multiple_of):
+    for batch in Batching.from_config(cfg, pad_id)(eval_data, indices):
         with precision.autocast():
             total += token_loss_sum(engine.module, batch, backend.device).double().cpu()
         tokens += batch.trained_tokens
     engine.module.train()
     return float(backend.all_reduce_sum(total) / backend.all_reduce_sum(tokens).clamp(min=1))
-
-
-def _adamw(model: torch.nn.Module, cfg: RunConfig) -> torch.optim.Optimizer:
-    t = cfg.train
-    params = [p for p in model.parameters() if p.requires_grad]
-    decay = [p for p in params if p.ndim >= 2]
-    no_decay = [p for p in params if p.ndim < 2]
-    groups = [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(
-        [g for g in groups if g["params"]], lr=t.lr, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps,
-        foreach=params[0].device.type != "cpu" if params else None,
-    )
 
 
 def _log_data(backend, train_data, eval_data) -> None:

@@ -1,0 +1,432 @@
+"""Per-rank memory of a training run, worked out from the model's config.json and the run config alone.
+
+Pure arithmetic (no torch, no weights), so ``ftctl estimate`` and ``ftctl train --dry-run`` answer
+in well under a second, for a 7B model as for a tiny one. The parts:
+
+* weights: every parameter in the dtype ftctl keeps it in. Trained weights are fp32 master
+  copies; a frozen base of LoRA/DoRA sits in the compute dtype; QLoRA's base linear layers hold
+  4-bit codes (half a byte per parameter) plus one quantisation constant per block of 64 (fp32,
+  or 8-bit with a small fp32 second level under double quantisation), the rest stays fp32.
+* gradients: fp32, one per trained parameter. DDP adds its bucket copy of them.
+* optimizer states: AdamW's two fp32 moments per trained parameter (8-bit AdamW: two bytes);
+  DeepSpeed also keeps an fp32 master copy of the partition it optimises (12 bytes in all).
+* activations: the tensors autograd keeps from forward to backward for one micro-batch of
+  ``micro_batch_size × data.max_seq_len`` tokens, counted tensor by tensor for a pre-norm Llama
+  layer with sdpa attention and peft's LoRA layers (see :func:`layer_activation_elements`), plus
+  the loss and a backward working set. With gradient checkpointing only each layer's input stays,
+  and one layer is recomputed at a time.
+* sharding over N ranks divides exactly what the backend shards: ZeRO-1 the optimizer states,
+  ZeRO-2 also the gradients, ZeRO-3 and FSDP also the weights (ZeRO-3 keeps parameters smaller
+  than ``parallel.zero3_persistence_threshold`` whole). Sharded weights are gathered one layer at a
+  time for compute ("gathered"). Offloaded parts move to CPU memory and leave the device total.
+
+The total is the sum of the parts, which is what a step reaches when gradients from earlier
+micro-batches are held while the next micro-batch's activations build up (any run with gradient
+accumulation); it is an upper bound by up to the smaller of gradients and activations otherwise.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Dict, List, Optional, Tuple
+
+from ftctl.config.schema import RunConfig
+from ftctl.errors import ConfigError
+from ftctl.models.architecture import HEAD_RETURNS_PLAIN_LOGITS, LINEAR_NAMES, Architecture
+from ftctl.paths import model_configs_dir
+
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+QUANT_BLOCK = 64  # bitsandbytes 4-bit block size
+DOUBLE_QUANT_BLOCK = 256  # blocks per second-level constant
+ADAM_8BIT_BLOCK = 2048
+#: Logit elements the chunked loss holds at once (ftctl.training.loss.CHUNK_ELEMENTS).
+LOSS_CHUNK_ELEMENTS = 1 << 23
+SHARDS = {  # which parts each backend divides by the world size
+    "single": (), "ddp": (),
+    "zero1": ("optimizer",), "zero2": ("optimizer", "gradients"), "zero3": ("optimizer", "gradients", "weights"),
+    "fsdp": ("optimizer", "gradients", "weights"),
+}
+
+
+# ------------------------------------------------------------------------------------ model config
+
+
+def load_model_config(cfg: RunConfig) -> Tuple[dict, str]:
+    """The architecture dict and where it came from, without loading (or building) any weights.
+
+    model.config_file (in recipes/model_configs, or a path) wins; then the config.json of a local
+    model dir or of an already-built alias; then the shipped model_configs/<alias>.json of an alias.
+    """
+    m = cfg.model
+    candidates: List[Path] = []
+    if m.config_file:
+        given = Path(m.config_file).expanduser()
+        candidates += [given, model_configs_dir() / m.config_file]
+        found = next((p for p in candidates if p.is_file()), None)
+        if found is None:
+            raise ConfigError(f"model.config_file={m.config_file}: no such file here or in {model_configs_dir()}")
+        return _read_json(found), str(found)
+    from ftctl.models.aliases import alias_dir, is_alias  # no torch
+
+    if is_alias(m.name_or_path):
+        candidates += [alias_dir(m.name_or_path) / "config.json", model_configs_dir() / f"{m.name_or_path}.json"]
+    else:
+        candidates.append(Path(m.name_or_path).expanduser() / "config.json")
+    found = next((p for p in candidates if p.is_file()), None)
+    if found is None:
+        raise ConfigError(
+            f"no architecture known for model.name_or_path={m.name_or_path} without downloading it; set "
+            "model.config_file to its config.json (a path, or a file in recipes/model_configs)"
+        )
+    return _read_json(found), str(found)
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except ValueError as exc:
+        raise ConfigError(f"{path}: not valid JSON ({exc})") from None
+
+
+def machine_precision(name: str) -> str:
+    """What precision=auto resolves to on this machine, as ftctl.precision decides, without torch.
+
+    bf16 with an NVIDIA GPU or a CPU with native bf16, fp32 otherwise (fp16 on old GPUs has bf16's size).
+    """
+    if name != "auto":
+        return name
+    gpus = Path("/proc/driver/nvidia/gpus")
+    if os.environ.get("CUDA_VISIBLE_DEVICES", None) != "" and gpus.is_dir() and any(gpus.iterdir()):
+        return "bf16"
+    try:
+        flags = next((line for line in open("/proc/cpuinfo") if line.startswith("flags")), "").split()
+    except OSError:
+        flags = []
+    return "bf16" if "avx512_bf16" in flags or "amx_bf16" in flags else "fp32"
+
+
+# ------------------------------------------------------------------------------------- the estimate
+
+
+@dataclass
+class MemoryEstimate:
+    model: str
+    method: str
+    parallel: str
+    world_size: int
+    precision: str
+    micro_batch_size: int
+    seq_len: int
+    gradient_checkpointing: bool
+    parameters: int
+    trainable_parameters: int
+    weights_bytes: int
+    gradients_bytes: int
+    optimizer_bytes: int
+    activations_bytes: int  # as configured (with or without checkpointing)
+    activations_without_checkpointing_bytes: int
+    activations_with_checkpointing_bytes: int
+    gathered_bytes: int  # sharded weights gathered for compute, one layer at a time
+    offloaded_bytes: int  # moved to CPU memory; not in the device total
+    total_bytes: int
+    notes: List[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def estimate_memory(cfg: RunConfig, model_config: dict, source: str = "config") -> MemoryEstimate:
+    arch = Architecture.from_config(model_config, source)
+    m, p, t = cfg.method, cfg.parallel, cfg.train
+    world = p.nproc_per_node * p.nnodes
+    precision = machine_precision(cfg.precision.name)
+    notes: List[str] = []
+    if cfg.precision.name == "auto":
+        notes.append(f"precision=auto is {precision} on this machine; set precision=bf16 to plan for a GPU")
+    deepspeed = p.name.startswith("zero")
+    ds_fp16 = deepspeed and precision == "fp16"
+
+    adapted, unknown = _adapted_linears(m.target_modules) if m.name != "full" else (set(), [])
+    if unknown:
+        notes.append(f"target modules not counted (not a decoder linear layer): {', '.join(unknown)}")
+    params = _parameter_groups(arch, cfg, adapted)
+    trainable = params["trainable"]
+
+    # Weights, in the dtype each group is stored in (bytes per parameter).
+    compute = DTYPE_BYTES[precision]
+    if m.name == "full":
+        weight_bytes = {"trainable": 2 if ds_fp16 else 4}
+    elif m.name == "qlora":
+        constants = (1 / QUANT_BLOCK + 4 / (QUANT_BLOCK * DOUBLE_QUANT_BLOCK)) if m.double_quant else 4 / QUANT_BLOCK
+        # prepare_model_for_kbit_training keeps what is not quantised (embeddings, norms, head) in fp32.
+        weight_bytes = {"quantized": 0.5 + constants, "frozen": 4, "trainable": 4}
+    else:
+        weight_bytes = {"frozen": compute, "trainable": 4}
+    weights_by_group = {g: params[g] * b for g, b in weight_bytes.items()}
+
+    gradients = trainable * (2 if ds_fp16 else 4) * (2 if p.name == "ddp" else 1)
+    if p.name == "ddp":
+        notes.append("ddp: gradients counted twice (DDP's communication buckets hold a copy)")
+    optimizer_per_param = {"adamw": 8, "paged_adamw_32bit": 8}.get(t.optimizer, 2 + 8 / ADAM_8BIT_BLOCK)
+    optimizer = trainable * (optimizer_per_param + (4 if deepspeed else 0))
+
+    # Sharding.
+    shards = SHARDS[p.name]
+    weights = sum(weights_by_group.values())
+    gathered = 0.0
+    if "weights" in shards:
+        keep_whole = _small_parameter_bytes(arch, cfg, weight_bytes, adapted) if p.name == "zero3" else 0.0
+        layer_bytes = weights_by_group_per_layer(arch, params, weight_bytes)
+        weights = keep_whole + (weights - keep_whole) / world
+        # One layer gathered while the next is prefetched; FSDP also keeps its root unit
+        # (embeddings, final norm, head) gathered through forward and backward.
+        gathered = 2 * layer_bytes * (world - 1) / world
+        if p.name == "fsdp":
+            root = (arch.embedding_parameters() + arch.head_parameters() + arch.hidden) * _root_bytes(m.name, weight_bytes)
+            gathered += root * (world - 1) / world
+    if "gradients" in shards:
+        gradients /= world
+    if "optimizer" in shards:
+        optimizer /= world
+
+    # Activations.
+    tokens = t.micro_batch_size * cfg.data.max_seq_len
+    # Matmul outputs come in the compute dtype. The residual stream has the weights' dtype: fp32 for
+    # full fine-tuning (master weights) and QLoRA (its unquantised layers are fp32), compute for LoRA/DoRA.
+    matmul_dtype = compute
+    stream_dtype = 4 if m.name in ("full", "qlora") else compute
+    full_act, ckpt_act, act_notes = activation_bytes(arch, cfg, adapted, tokens, stream_dtype, matmul_dtype)
+    notes += act_notes
+    activations = ckpt_act if t.gradient_checkpointing else full_act
+
+    offloaded = 0.0
+    if p.offload_optimizer == "cpu" and deepspeed:
+        offloaded += optimizer
+        optimizer = 0.0
+    if p.offload_params == "cpu" and p.name in ("zero3", "fsdp"):
+        offloaded += weights
+        weights = 0.0
+        if p.name == "fsdp":  # FSDP's CPU offload keeps gradients and the optimizer step on the CPU as well
+            offloaded += gradients + optimizer
+            gradients = optimizer = 0.0
+
+    total = weights + gradients + optimizer + activations + gathered
+    return MemoryEstimate(
+        model=source, method=m.name, parallel=p.name, world_size=world, precision=precision,
+        micro_batch_size=t.micro_batch_size, seq_len=cfg.data.max_seq_len,
+        gradient_checkpointing=t.gradient_checkpointing, parameters=params["total"], trainable_parameters=trainable,
+        weights_bytes=round(weights), gradients_bytes=round(gradients), optimizer_bytes=round(optimizer),
+        activations_bytes=round(activations), activations_without_checkpointing_bytes=round(full_act),
+        activations_with_checkpointing_bytes=round(ckpt_act), gathered_bytes=round(gathered),
+        offloaded_bytes=round(offloaded), total_bytes=round(total), notes=notes,
+    )
+
+
+def _adapted_linears(targets) -> Tuple[set, List[str]]:
+    """Which decoder linear layers peft adapts for these target_modules (suffix match, like peft)."""
+    targets = list(targets)
+    if targets == ["all-linear"]:
+        return set(LINEAR_NAMES), []
+    adapted = {name for name in LINEAR_NAMES if any(name == t or name.endswith(t) for t in targets)}
+    unknown = [t for t in targets if not any(name == t or name.endswith(t) for name in LINEAR_NAMES)]
+    return adapted, unknown
+
+
+def _adapter_parameters(arch: Architecture, cfg: RunConfig, adapted: set) -> int:
+    shapes = arch.linear_shapes()
+    per_layer = sum(cfg.method.r * (shapes[n][0] + shapes[n][1]) for n in adapted)
+    if cfg.method.use_dora or cfg.method.name == "dora":
+        per_layer += sum(shapes[n][1] for n in adapted)  # DoRA's magnitude vector
+    return per_layer * arch.layers
+
+
+def _parameter_groups(arch: Architecture, cfg: RunConfig, adapted: set) -> Dict[str, int]:
+    """Parameter counts: total, trainable, and the frozen base split into quantised / other where it applies."""
+    total = arch.parameters()
+    if cfg.method.name == "full":
+        return {"total": total, "trainable": total}
+    adapter = _adapter_parameters(arch, cfg, adapted)
+    saved = 0
+    for name in cfg.method.modules_to_save:
+        # peft trains a copy of each such module and keeps the original frozen.
+        if name.endswith("lm_head"):
+            saved += arch.vocab * arch.hidden
+        elif name.endswith("embed_tokens"):
+            saved += arch.vocab * arch.hidden
+    linear_weights = arch.layers * sum(i * o for i, o, _ in arch.linear_shapes().values())
+    groups = {"total": total + adapter + saved, "trainable": adapter + saved}
+    if cfg.method.name == "qlora":
+        groups.update(quantized=linear_weights, frozen=total - linear_weights)
+    else:
+        groups.update(frozen=total)
+    return groups
+
+
+def weights_by_group_per_layer(arch: Architecture, params: Dict[str, int], weight_bytes: Dict[str, float]) -> float:
+    """Bytes of one decoder layer's weights (what a sharded backend gathers at a time)."""
+    layer = arch.layer_parameters()
+    if "quantized" in weight_bytes:
+        linear = sum(i * o for i, o, _ in arch.linear_shapes().values())
+        own = linear * weight_bytes["quantized"] + (layer - linear) * weight_bytes["frozen"]
+    else:
+        own = layer * weight_bytes.get("frozen", weight_bytes["trainable"])
+    adapter = params["trainable"] / arch.layers if "frozen" in weight_bytes else 0
+    return own + adapter * weight_bytes["trainable"]
+
+
+def _root_bytes(method: str, weight_bytes: Dict[str, float]) -> float:
+    return weight_bytes["trainable"] if method == "full" else weight_bytes["frozen"]
+
+
+def _small_parameter_bytes(arch: Architecture, cfg: RunConfig, weight_bytes, adapted: set) -> float:
+    """Bytes of the parameters ZeRO-3 keeps whole: those below parallel.zero3_persistence_threshold elements."""
+    threshold = getattr(cfg.parallel, "zero3_persistence_threshold", 0)
+    if threshold <= 0:
+        return 0.0
+    base_bytes = weight_bytes.get("frozen", weight_bytes["trainable"])
+    sizes: List[Tuple[int, float]] = [(arch.hidden, base_bytes)] * (2 * arch.layers + 1)  # norms
+    for i, o, bias in arch.linear_shapes().values():
+        per = weight_bytes["quantized"] if "quantized" in weight_bytes else base_bytes
+        sizes += [(i * o, per)] * arch.layers
+        if bias:
+            sizes += [(o, base_bytes)] * arch.layers
+    sizes += [(arch.vocab * arch.hidden, base_bytes)] * (1 if arch.tied_embeddings else 2)
+    if cfg.method.name != "full":
+        shapes = arch.linear_shapes()
+        for name in adapted:
+            i, o, _ = shapes[name]
+            sizes += [(cfg.method.r * i, 4.0), (cfg.method.r * o, 4.0)] * arch.layers
+    return float(sum(n * b for n, b in sizes if n < threshold))
+
+
+# ------------------------------------------------------------------------------------- activations
+
+
+def layer_activation_elements(arch: Architecture, method: str, adapted: set, dropout: float, r: int,
+                              dora: bool, grad_reaches_input: bool) -> Tuple[float, float]:
+    """Elements per token one decoder layer keeps for backward: (fp32-stream elements, matmul outputs).
+
+    Counted from what each op saves, as autograd does it (checked against saved-tensor hooks):
+    each RMSNorm keeps its input and 1/rms, plus its normalised output when its weight trains; a
+    linear layer keeps its input only when its weight trains (one copy for layers reading the same
+    tensor); a LoRA layer keeps its input for lora_A (with dropout, its own dropped copy and the
+    dropout noise instead) and lora_A's r outputs; sdpa keeps q, k, v, its output and the
+    log-sum-exp; the MLP keeps gate, SiLU(gate) and up.
+    Returned apart because matmul outputs come in the compute dtype, the rest in the stream's.
+    """
+    h, a, kv, i, heads = arch.hidden, arch.attention_width, arch.kv_width, arch.intermediate, arch.heads
+    full = method == "full"
+    stream = 0.0  # residual stream, norms, dropout copies
+    matmul = 2 * a + 2 * kv + heads + 3 * i  # attention q, k, v, out, lse; gate, act, up
+    stream += (h + 1) * (2 if grad_reaches_input else 1)  # norm inputs and 1/rms (layer 0 of an adapter: norm 2 only)
+    if full:
+        stream += 2 * h  # normalised outputs, for the norm weights' gradients
+    groups = {  # a shared input tensor and the linear layers reading it
+        "attn_in": (h, ("q_proj", "k_proj", "v_proj"), "stream"),
+        "attn_out": (a, ("o_proj",), "matmul"),
+        "mlp_in": (h, ("gate_proj", "up_proj"), "stream"),
+        "mlp_mid": (i, ("down_proj",), "matmul"),
+    }
+    for group, (width, readers, kind) in groups.items():
+        keeps_shared = False
+        for name in readers:
+            if full:
+                keeps_shared = True
+            elif name in adapted:
+                if dropout > 0:
+                    copies = 2 if grad_reaches_input or group != "attn_in" else 1  # no noise kept without an input grad
+                    stream += copies * width if kind == "stream" else 0
+                    matmul += copies * width if kind == "matmul" else 0
+                else:
+                    keeps_shared = True
+                matmul += r
+                if dora:
+                    matmul += arch.linear_shapes()[name][1]
+        # sdpa's saved output is o_proj's input already.
+        if keeps_shared and group != "attn_out":
+            if kind == "stream":
+                stream += width
+            else:
+                matmul += width
+    return stream, matmul
+
+
+def activation_bytes(arch: Architecture, cfg: RunConfig, adapted: set, tokens: int, stream_dtype: int,
+                     matmul_dtype: int) -> Tuple[float, float, List[str]]:
+    """(without checkpointing, with checkpointing, notes) for one micro-batch of ``tokens`` tokens."""
+    m = cfg.method
+    notes: List[str] = []
+    dora = m.name != "full" and (m.use_dora or m.name == "dora")
+    args = (arch, m.name, adapted, m.dropout, m.r, dora)
+    stream, matmul = layer_activation_elements(*args, grad_reaches_input=True)
+    per_layer = tokens * (stream_dtype * stream + matmul_dtype * matmul)
+    if m.name == "full":
+        layers = arch.layers * per_layer
+    else:  # the frozen embedding sends no gradient into the first layer
+        s0, m0 = layer_activation_elements(*args, grad_reaches_input=False)
+        layers = (arch.layers - 1) * per_layer + tokens * (stream_dtype * s0 + matmul_dtype * m0)
+    if dora:
+        notes.append("dora: activations approximate (DoRA's weight-norm terms counted as one output per layer)")
+
+    h, v, i = arch.hidden, arch.vocab, arch.intermediate
+    head_trains = m.name == "full" or any(n.endswith("lm_head") for n in m.modules_to_save)
+    head = tokens * stream_dtype * (h + 1 + (h if m.name == "full" else 0))  # final norm
+    if arch.model_type in HEAD_RETURNS_PLAIN_LOGITS:
+        # Chunked loss: the gradient for the hidden states, one chunk of logits, the head's gradient.
+        head += tokens * h * 4 + min(tokens, max(1, LOSS_CHUNK_ELEMENTS // v)) * v * 4
+        head += v * h * 4 if head_trains else 0
+    else:
+        head += 2 * tokens * v * 4  # full fp32 logits and their log-softmax
+        notes.append(f"model_type={arch.model_type or '?'}: the loss materialises full (tokens, vocabulary) logits")
+    # Backward working set: the gradient of the residual stream and of one MLP's intermediates.
+    working = tokens * (2 * h * stream_dtype + 2 * i * matmul_dtype)
+    without = layers + head + working
+    # Checkpointing keeps each layer's input and recomputes one layer at a time in backward.
+    with_ckpt = arch.layers * tokens * h * stream_dtype + per_layer + head + working
+    return without, with_ckpt, notes
+
+
+# --------------------------------------------------------------------------------------------- output
+
+
+def _size(n: float) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if abs(n) >= scale:
+            return f"{n / scale:,.2f} {unit}"
+    return f"{n:,.0f} B"
+
+
+def format_table(est: MemoryEstimate) -> str:
+    world = f"× {est.world_size} rank{'s' if est.world_size > 1 else ''}"
+    lines = [
+        f"memory per rank: method={est.method} parallel={est.parallel} {world} precision={est.precision}",
+        f"  model {est.model}: {est.parameters:,} parameters, {est.trainable_parameters:,} trainable",
+        f"  activations for micro_batch_size {est.micro_batch_size} × max_seq_len {est.seq_len} tokens",
+        "",
+        f"  {'weights':<38} {_size(est.weights_bytes):>12}",
+        f"  {'gradients':<38} {_size(est.gradients_bytes):>12}",
+        f"  {'optimizer states':<38} {_size(est.optimizer_bytes):>12}",
+        f"  {'activations, no checkpointing':<38} {_size(est.activations_without_checkpointing_bytes):>12}"
+        + ("" if est.gradient_checkpointing else "  <- this run"),
+        f"  {'activations, gradient checkpointing':<38} {_size(est.activations_with_checkpointing_bytes):>12}"
+        + ("  <- this run" if est.gradient_checkpointing else ""),
+    ]
+    if est.gathered_bytes:
+        lines.append(f"  {'gathered weights (one layer at a time)':<38} {_size(est.gathered_bytes):>12}")
+    lines.append(f"  {'total':<38} {_size(est.total_bytes):>12}")
+    if est.offloaded_bytes:
+        lines.append(f"  {'offloaded to CPU memory':<38} {_size(est.offloaded_bytes):>12}")
+    lines += [f"  note: {n}" for n in est.notes]
+    return "\n".join(lines)
+
+
+def estimate_for(cfg: RunConfig) -> MemoryEstimate:
+    config, source = load_model_config(cfg)
+    return estimate_memory(cfg, config, source)
+
+
+def to_json(est: MemoryEstimate) -> str:
+    return json.dumps(est.to_dict(), indent=2)

@@ -1,0 +1,1 @@
+"""Generation and scoring on held-out data: `ftctl eval` (generation is shared with chat/generate)."""

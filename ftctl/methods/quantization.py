@@ -1,0 +1,94 @@
+"""The 4-bit base of QLoRA: bitsandbytes settings, loading for k-bit training, and the way back to full precision.
+
+The settings that quantised a base are recorded next to its adapter (:class:`QuantSettings`), so
+``ftctl merge`` can rebuild exactly the 4-bit weights the adapter was trained against and
+dequantise them, instead of merging into weights the adapter never saw.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+
+from ftctl.errors import FtctlError
+from ftctl.models.loading import load_causal_lm
+
+STORAGE_DTYPES = {"uint8": torch.uint8, "bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+@dataclass(frozen=True)
+class QuantSettings:
+    quant_type: str  # nf4 or fp4
+    double_quant: bool
+    quant_storage: str  # a key of STORAGE_DTYPES
+    compute_dtype: str  # the dtype the base was loaded in and dequantises to in the forward pass
+
+    @classmethod
+    def from_method(cls, method_cfg, compute_dtype: torch.dtype) -> "QuantSettings":
+        return cls(method_cfg.quant_type, method_cfg.double_quant, method_cfg.quant_storage, dtype_name(compute_dtype))
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "QuantSettings":
+        return cls(**{key: data[key] for key in ("quant_type", "double_quant", "quant_storage", "compute_dtype")})
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @property
+    def torch_compute_dtype(self) -> torch.dtype:
+        return getattr(torch, self.compute_dtype)
+
+    def bnb_config(self):
+        from transformers import BitsAndBytesConfig
+
+        return BitsAndBytesConfig(
+            load_in_4bit=True,
+            bnb_4bit_quant_type=self.quant_type,
+            bnb_4bit_use_double_quant=self.double_quant,
+            bnb_4bit_compute_dtype=self.torch_compute_dtype,
+            bnb_4bit_quant_storage=STORAGE_DTYPES[self.quant_storage],
+        )
+
+
+def _require_bitsandbytes() -> None:
+    try:
+        import bitsandbytes  # noqa: F401
+    except ImportError as exc:
+        raise FtctlError(f"method=qlora needs bitsandbytes (pip install bitsandbytes): {exc}") from None
+
+
+def load_4bit(model_cfg, model_path: str, settings: QuantSettings, device: torch.device):
+    """The base with every linear layer but the output head quantised to 4 bits, on ``device``."""
+    _require_bitsandbytes()
+    # Quantisation happens while the weights are placed, so they go straight to the training device.
+    return load_causal_lm(
+        model_cfg, model_path, dtype=settings.torch_compute_dtype,
+        quantization_config=settings.bnb_config(), device_map={"": str(device)},
+    )
+
+
+def prepare_for_kbit_training(model, gradient_checkpointing: bool):
+    """Freeze the base, keep its non-quantised weights in fp32, and checkpoint activations if asked."""
+    from peft import prepare_model_for_kbit_training
+
+    return prepare_model_for_kbit_training(
+        model,
+        use_gradient_checkpointing=gradient_checkpointing,
+        gradient_checkpointing_kwargs={"use_reentrant": False},
+    )
+
+
+def load_dequantized(model_cfg, model_path: str, settings: QuantSettings, dtype: torch.dtype = torch.float32):
+    """The base as a QLoRA adapter saw it in training: quantised with ``settings``, then expanded back to ``dtype``.
+
+    Loaded on the CPU: a merge needs no accelerator, and the 4-bit codes are the same on every device.
+    """
+    model = load_4bit(model_cfg, model_path, settings, torch.device("cpu"))
+    model = model.dequantize(dtype=dtype)
+    # Layers left unquantised (embeddings, norms, head) are still in the load dtype.
+    return model.to(dtype)

@@ -1,0 +1,72 @@
+"""Which method × backend × precision × offload combinations ftctl runs, and why the others are refused.
+
+Consulted before anything is loaded or launched: :func:`config_refusal` needs only the config (it
+runs inside config validation), :func:`device_refusal` also needs the device kind the run will
+train on. Every refusal names the reason and a way out.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+from typing import Optional
+
+from ftctl.errors import ConfigError
+
+ZERO_STAGES = ("zero1", "zero2", "zero3")
+SHARDED = ("fsdp", "zero3")  # backends that partition the parameters themselves
+
+
+def config_refusal(cfg) -> Optional[str]:
+    """A reason this config cannot run anywhere, or None."""
+    p, m = cfg.parallel, cfg.method
+    if p.rdzv_backend not in ("static", "c10d"):
+        return f"parallel.rdzv_backend='{p.rdzv_backend}' is not one of static, c10d"
+    if p.zero3_persistence_threshold < 0:
+        return f"parallel.zero3_persistence_threshold={p.zero3_persistence_threshold} must be >= 0"
+    if p.offload_optimizer == "cpu" and p.name not in ZERO_STAGES:
+        if p.name == "fsdp":
+            return ("parallel=fsdp offloads parameters, gradients and optimizer state together: "
+                    "set parallel.offload_params=cpu instead of parallel.offload_optimizer")
+        return (f"parallel={p.name} keeps the whole optimizer on each device; optimizer offload needs "
+                f"parallel=zero1, zero2 or zero3 with parallel.offload_optimizer=cpu")
+    if p.offload_params == "cpu" and p.name not in SHARDED:
+        return (f"parallel.offload_params=cpu needs a backend that partitions parameters (fsdp or zero3); "
+                f"parallel={p.name} keeps them whole on every device")
+    if m.name == "qlora" and p.offload_params == "cpu":
+        return ("method=qlora with parallel.offload_params=cpu: ftctl does not offload bitsandbytes 4-bit weights "
+                "(their quantisation state stays with the layer on the device); the 4-bit base is already a quarter "
+                "of its bf16 size, so drop the parameter offload or use method=lora")
+    if p.name in ZERO_STAGES and cfg.precision.name == "fp16":
+        power = math.log2(cfg.precision.init_scale) if cfg.precision.init_scale > 0 else 0.5
+        if power != int(power):
+            return (f"precision.init_scale={cfg.precision.init_scale}: DeepSpeed's loss scaler starts at a power of "
+                    f"two; use {2 ** round(power) if power > 0 else 65536.0}")
+    return None
+
+
+def device_refusal(cfg, device_type: str) -> Optional[str]:
+    """A reason this config cannot run on ``device_type`` ('cuda' or 'cpu'), or None."""
+    p = cfg.parallel
+    if p.name in ZERO_STAGES:
+        if importlib.util.find_spec("deepspeed") is None:
+            return f"parallel={p.name} needs DeepSpeed: pip install 'ftctl[deepspeed]'"
+        if cfg.precision.name == "fp16" and device_type != "cuda":
+            return (f"parallel={p.name} precision=fp16: DeepSpeed's fp16 mode (with its dynamic loss scaler) runs "
+                    f"only on GPUs; on {device_type.upper()} use precision=fp32 or bf16, or fp16 with parallel=ddp or fsdp")
+    if p.dist_backend == "nccl" and device_type != "cuda":
+        return "parallel.dist_backend=nccl needs CUDA GPUs; use gloo (or auto) on CPU"
+    return None
+
+
+def training_device_type() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def check_supported(cfg, device_type: Optional[str] = None) -> None:
+    """Raise ConfigError with the reason when this combination is not run by ftctl."""
+    reason = config_refusal(cfg) or device_refusal(cfg, device_type or training_device_type())
+    if reason:
+        raise ConfigError(reason)

@@ -1,0 +1,76 @@
+"""Exact resume: which checkpoint to continue from, whether the config still allows it, and restoring it.
+
+Everything that decides the next step is restored: weights (loaded before the backend wraps the
+model, so every backend shards or broadcasts them as on a fresh start), optimizer and scaler (by
+the engine), the RNG states of every rank, and the step. The data order and the learning rate are
+functions of the seed and the step, so the step alone restores them.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import asdict
+from pathlib import Path
+from typing import Dict, List, Optional
+
+import torch
+
+from ftctl.config.schema import RunConfig
+from ftctl.errors import FtctlError
+from ftctl.training.checkpoint import STATE_FILE, complete_checkpoints, set_rng_state
+
+log = logging.getLogger("ftctl")
+
+#: Keys that may differ between a run and its resumption without changing what it computes.
+RESUME_SAFE_KEYS = {
+    "resume", "overwrite", "output_dir",
+    "train.save_every", "train.keep_last", "train.log_every", "train.eval_every", "train.progress_bar",
+    "train.tensorboard", "train.num_threads", "train.max_nonfinite_steps",
+    "parallel.master_addr", "parallel.master_port", "parallel.rdzv_backend", "parallel.rdzv_id", "parallel.node_rank",
+    "data.cache_dir",
+}
+
+
+def _flatten(d: dict, prefix: str = "") -> Dict[str, object]:
+    out = {}
+    for key, value in d.items():
+        if isinstance(value, dict):
+            out.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def config_differences(old: RunConfig, new: RunConfig) -> List[str]:
+    """Keys whose change would make the resumed run compute something else."""
+    a, b = _flatten(asdict(old)), _flatten(asdict(new))
+    return sorted(k for k in a.keys() | b.keys() if k not in RESUME_SAFE_KEYS and a.get(k) != b.get(k))
+
+
+def resume_checkpoint(cfg: RunConfig, run_dir: Path) -> Optional[Path]:
+    """The checkpoint dir to continue from: the latest complete one for resume=auto, or the given path."""
+    if not cfg.resume:
+        return None
+    if cfg.resume == "auto":
+        found = complete_checkpoints(run_dir)
+        return found[-1] if found else None
+    path = Path(cfg.resume).expanduser()
+    if not (path / STATE_FILE).is_file():
+        raise FtctlError(f"resume={cfg.resume}: not a complete ftctl checkpoint (no {STATE_FILE})")
+    return path
+
+
+def restore_training_state(ckpt: Path, engine, backend) -> int:
+    """Restore optimizer, scaler and this rank's RNG; return the step to continue from."""
+    state = json.loads((ckpt / STATE_FILE).read_text())
+    if state.get("world_size", 1) != backend.world_size:
+        raise FtctlError(
+            f"{ckpt} was written by {state['world_size']} processes and this run has {backend.world_size}; "
+            "resume with the same parallel settings"
+        )
+    engine.load_training_state(ckpt, backend.rank)
+    set_rng_state(torch.load(ckpt / f"rng.rank{backend.rank}.pt", weights_only=True))
+    if backend.is_main:
+        log.info("resumed from %s at step %d", ckpt, state["step"])
+    return int(state["step"])

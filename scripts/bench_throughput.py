@@ -1,0 +1,373 @@
+#!/usr/bin/env python
+"""Throughput and peak memory of LoRA fine-tuning: ftctl against TRL's SFTTrainer, same everything.
+
+    .venv/bin/python scripts/bench_throughput.py                      # SmolLM2-135M-Instruct, 2 rounds
+    .venv/bin/python scripts/bench_throughput.py --steps 4 --rounds 1 # quicker
+    .venv/bin/python scripts/bench_throughput.py --model tiny         # no SmolLM2: a local random Llama
+
+Both trainers get the same model (fp32 on CPU, sdpa attention), the same tokenized examples (ftctl
+tokenizes them; TRL receives its input_ids and labels as a pre-tokenized dataset, so both train the
+same tokens), the same LoRA config, sequence length, batch, steps, optimizer, learning rate and
+thread count. ftctl runs padded and packed. Every run is a fresh process, and runs are interleaved
+(round 1: matmul peak, ftctl, TRL, ...; round 2 in reverse) with the best round of each reported, so
+a noisy neighbour hurts every contender alike. Each run also reports how much CPU other processes
+took during it ("others %": share of the machine's cores busy outside the run); numbers taken with
+others above a few percent are noisy.
+
+Reported per contender: trained tokens/s (tokens that carry loss), total tokens/s (every real token,
+prompt included, padding excluded), the padding share of computed positions, peak RSS of the process,
+and model FLOP/s: the FLOPs the training step needs (forward + backward of the transformer on real
+tokens, the output head on trained tokens, attention causal and per example; no recomputation,
+padding or waste counted), divided by the time taken, against the fp32 matmul peak measured in the
+same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+WORDS = (
+    "the model learns to answer questions about data files training steps memory kernels threads tokens batches "
+    "a small language model can follow simple instructions when it is fine tuned on a few thousand examples "
+    "write explain summarise list compare translate classify extract describe why how when which what where "
+    "river mountain city garden market library engine bridge window planet ocean forest winter summer morning "
+    "quickly carefully slowly clearly briefly exactly usually often never always sometimes rarely together apart "
+    "number letter colour animal country language recipe story poem email report table chart graph function"
+).split()
+
+
+# ----------------------------------------------------------------------------------------------- data
+
+
+def write_dataset(path: Path, n: int, seed: int) -> None:
+    """Alpaca records whose lengths vary like real instruction data (log-normal answers, optional inputs)."""
+    rng = random.Random(seed)
+
+    def text(mean_words: float, sigma: float = 0.7, cap: int = 300) -> str:
+        k = max(1, min(cap, int(rng.lognormvariate(0, sigma) * mean_words)))
+        return " ".join(rng.choice(WORDS) for _ in range(k))
+
+    with open(path, "w") as f:
+        for _ in range(n):
+            record = {
+                "instruction": text(12, 0.4, 40),
+                "input": text(25, 0.8, 120) if rng.random() < 0.4 else "",
+                "output": text(70, 0.8, 300),
+            }
+            f.write(json.dumps(record) + "\n")
+
+
+# -------------------------------------------------------------------------------------------- workers
+
+
+def cpu_jiffies() -> tuple:
+    """(busy jiffies of the whole machine, jiffies of this process and its children)."""
+    with open("/proc/stat") as f:
+        fields = [int(x) for x in f.readline().split()[1:]]
+    busy = sum(fields) - fields[3] - fields[4]  # minus idle and iowait
+    t = os.times()
+    ticks = os.sysconf("SC_CLK_TCK")
+    return busy, int((t.user + t.system + t.children_user + t.children_system) * ticks)
+
+
+class Interference:
+    """Share of the machine's CPU used by other processes between start() and stop()."""
+
+    def start(self):
+        self.t0, (self.busy0, self.own0) = time.perf_counter(), cpu_jiffies()
+
+    def stop(self) -> float:
+        elapsed = time.perf_counter() - self.t0
+        busy, own = cpu_jiffies()
+        ticks = os.sysconf("SC_CLK_TCK")
+        others = max(0, (busy - self.busy0) - (own - self.own0)) / ticks
+        return others / (elapsed * os.cpu_count())
+
+
+def peak_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def worker_matmul(settings: dict) -> dict:
+    import torch
+
+    torch.manual_seed(0)
+    best = 0.0
+    for m, k, n in ((2048, 2048, 2048), (4096, 576, 1536), (4096, 1536, 576)):
+        a, b = torch.randn(m, k), torch.randn(k, n)
+        out = torch.empty(m, n)
+        for _ in range(3):
+            torch.mm(a, b, out=out)
+        reps, start = 0, time.perf_counter()
+        while time.perf_counter() - start < 2.0:
+            torch.mm(a, b, out=out)
+            reps += 1
+        best = max(best, 2 * m * k * n * reps / (time.perf_counter() - start))
+    return {"matmul_flops": best, "threads": torch.get_num_threads()}
+
+
+def model_flops(config: dict, lengths, trained: int, lora_r: int, full: bool = False) -> float:
+    """FLOPs one training step needs: transformer forward + backward on ``lengths``, head on ``trained`` tokens.
+
+    Linear layers cost 2·params per token forward and as much again for the input gradient (and, for
+    full fine-tuning, for the weight gradient); LoRA adds its two low-rank matmuls and their weight
+    gradients. The first layer's input gradient is not needed when nothing below it trains. Causal
+    attention costs 2·2·heads·head_dim·len·(len+1)/2 per example forward and twice that backward.
+    """
+    h, layers, vocab = config["hidden_size"], config["num_hidden_layers"], config["vocab_size"]
+    heads, kv = config["num_attention_heads"], config.get("num_key_value_heads") or config["num_attention_heads"]
+    hd = config.get("head_dim") or h // heads
+    inter = config["intermediate_size"]
+    shapes = {  # (in, out) of each linear in a layer
+        "q": (h, heads * hd), "k": (h, kv * hd), "v": (h, kv * hd), "o": (heads * hd, h),
+        "gate": (h, inter), "up": (h, inter), "down": (inter, h),
+    }
+    tokens = sum(lengths)
+    per_layer = sum(i * o for i, o in shapes.values())
+    first_inputs = sum(i * o for name, (i, o) in shapes.items() if name in ("q", "k", "v", "gate", "up"))
+    forward = 2 * per_layer * layers * tokens
+    input_grads = 2 * per_layer * layers * tokens - (0 if full else 2 * first_inputs * tokens)
+    weight_grads = 2 * per_layer * layers * tokens if full else 0
+    lora = 0 if full else 3 * 2 * lora_r * sum(i + o for i, o in shapes.values()) * layers * tokens
+    attention = 3 * sum(2 * heads * hd * n * (n + 1) for n in lengths) * layers
+    head = (3 if full else 2) * 2 * h * vocab * trained
+    return float(forward + input_grads + weight_grads + lora + attention + head)
+
+
+def _common_overrides(s: dict) -> list:
+    return [
+        f"model.name_or_path={s['model_dir']}",
+        "method=lora", f"method.r={s['lora_r']}", f"method.alpha={s['lora_alpha']}", f"method.dropout={s['lora_dropout']}",
+        "precision=fp32", "data.format=alpaca", f"data.path={s['data']}", f"data.max_seq_len={s['seq_len']}",
+        f"data.cache_dir={s['cache_dir']}",
+        f"train.micro_batch_size={s['micro']}", f"train.global_batch_size={s['global']}",
+        f"train.max_steps={s['warmup'] + s['steps']}", f"train.lr={s['lr']}", "train.warmup_steps=0",
+        "train.max_grad_norm=1.0", "train.weight_decay=0.0", f"seed={s['seed']}",
+    ]
+
+
+def tokenized(s: dict):
+    """ftctl's tokenization of the benchmark file, shared by both trainers."""
+    from ftctl.config.compose import compose_config
+    from ftctl.data.dataset import build_datasets
+    from ftctl.models.loading import load_tokenizer
+
+    cfg = compose_config(_common_overrides(s) + ["output_dir=/tmp/unused"])
+    tokenizer = load_tokenizer(cfg.model, s["model_dir"])
+    data, _ = build_datasets(cfg.data, tokenizer, cfg.seed)
+    return cfg, tokenizer, data
+
+
+def worker_ftctl(s: dict) -> dict:
+    from ftctl.config.compose import compose_config
+    from ftctl.data.batching import StepSampler
+    from ftctl.training.metrics import read_metrics
+    from ftctl.training.run_dir import prepare_run_dir
+    from ftctl.training.runner import train
+
+    _, _, data = tokenized(s)
+    run_dir = Path(s["work"]) / f"ftctl-{'packed' if s['packing'] else 'padded'}-{os.getpid()}"
+    cfg = compose_config(_common_overrides(s) + [
+        f"output_dir={run_dir}", f"data.packing={str(s['packing']).lower()}", "train.log_every=1",
+        "train.progress_bar=false", "train.tensorboard=false",
+    ])
+    train(cfg, prepare_run_dir(cfg))
+    steps = [m for m in read_metrics(run_dir) if "loss" in m][s["warmup"]:]
+    seconds = sum(m["trained_tokens"] / m["trained_tokens_per_s"] for m in steps)
+    sampler = StepSampler(len(data), s["global"], cfg.seed, cfg.data.shuffle)
+    lengths = [int(data.offsets[i + 1] - data.offsets[i]) for step in range(s["warmup"], s["warmup"] + s["steps"])
+               for i in sampler.global_batch(step)]
+    trained = sum(m["trained_tokens"] for m in steps)
+    config = json.loads((Path(s["model_dir"]) / "config.json").read_text())
+    return {
+        "seconds": seconds, "trained_tokens": trained, "real_tokens": sum(lengths),
+        "padding_waste": sum(m["padding_waste"] for m in steps) / len(steps),
+        "flops": model_flops(config, lengths, trained, s["lora_r"]), "final_loss": steps[-1]["loss"],
+    }
+
+
+def worker_trl(s: dict) -> dict:
+    import torch
+    from datasets import Dataset
+    from peft import LoraConfig
+    from transformers import AutoModelForCausalLM, TrainerCallback
+    from trl import SFTConfig, SFTTrainer
+
+    _, tokenizer, data = tokenized(s)
+    rows = {"input_ids": [], "labels": []}
+    for i in range(len(data)):
+        ids, labels = data[i]
+        rows["input_ids"].append(ids.tolist())
+        rows["labels"].append(labels.tolist())
+    dataset = Dataset.from_dict(rows)
+    model = AutoModelForCausalLM.from_pretrained(s["model_dir"], dtype=torch.float32, attn_implementation="sdpa")
+    counts, step_ends = [], []
+
+    class Timer(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            step_ends.append(time.perf_counter())
+
+    class CountingSFTTrainer(SFTTrainer):
+        def training_step(self, model, inputs, num_items_in_batch=None):
+            mask = inputs["attention_mask"]
+            counts.append((int(mask.sum()), int((inputs["labels"][:, 1:] != -100).sum()), int(mask.numel()),
+                           mask.sum(dim=1).tolist()))
+            return super().training_step(model, inputs, num_items_in_batch)
+
+    accumulation = s["global"] // s["micro"]
+    args = SFTConfig(
+        output_dir=str(Path(s["work"]) / f"trl-{os.getpid()}"), per_device_train_batch_size=s["micro"],
+        gradient_accumulation_steps=accumulation, max_steps=s["warmup"] + s["steps"], learning_rate=s["lr"],
+        lr_scheduler_type="cosine", warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0, optim="adamw_torch",
+        max_length=s["seq_len"], packing=False, gradient_checkpointing=False, bf16=False, fp16=False, use_cpu=True,
+        report_to="none", save_strategy="no", logging_steps=10**6, disable_tqdm=True, dataloader_num_workers=0,
+        seed=s["seed"], data_seed=s["seed"],
+    )
+    lora = LoraConfig(r=s["lora_r"], lora_alpha=s["lora_alpha"], lora_dropout=s["lora_dropout"],
+                      target_modules="all-linear", bias="none", task_type="CAUSAL_LM")
+    trainer = CountingSFTTrainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer,
+                                 peft_config=lora, callbacks=[Timer()])
+    trainer.train()
+    measured = counts[s["warmup"] * accumulation:]
+    lengths = [n for c in measured for n in c[3]]
+    trained = sum(c[1] for c in measured)
+    config = json.loads((Path(s["model_dir"]) / "config.json").read_text())
+    return {
+        "seconds": step_ends[-1] - step_ends[s["warmup"] - 1], "trained_tokens": trained, "real_tokens": sum(c[0] for c in measured),
+        "padding_waste": 1 - sum(c[0] for c in measured) / sum(c[2] for c in measured),
+        "flops": model_flops(config, lengths, trained, s["lora_r"]),
+    }
+
+
+WORKERS = {"matmul": worker_matmul, "ftctl": worker_ftctl, "trl": worker_trl}
+
+
+def run_worker(kind: str, settings: dict) -> dict:
+    monitor = Interference()
+    monitor.start()
+    result = WORKERS[kind](settings)
+    result["others"] = monitor.stop()
+    result["peak_rss_mib"] = peak_rss_mib()
+    return result
+
+
+# --------------------------------------------------------------------------------------------- parent
+
+
+def resolve_model(name: str, work: Path) -> str:
+    if name == "tiny":
+        from ftctl.models.tiny import build_tiny_llama
+
+        out = work / "tiny-bench-llama"
+        if not (out / "config.json").exists():
+            build_tiny_llama(out, num_layers=8, hidden_size=512, num_heads=8, num_kv_heads=4, intermediate_size=1536,
+                             vocab_size=4096, max_position_embeddings=2048)
+        return str(out)
+    from ftctl.models.loading import resolve_model_path
+
+    return resolve_model_path(name)
+
+
+def spawn(kind: str, settings: dict, label: str) -> dict:
+    env = dict(os.environ, TOKENIZERS_PARALLELISM="false", PYTHONWARNINGS="ignore")
+    cmd = [sys.executable, __file__, "--worker", kind, "--settings", json.dumps(settings)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
+    line = next((ln for ln in reversed(proc.stdout.splitlines()) if ln.startswith("RESULT ")), None)
+    if proc.returncode or line is None:
+        sys.stderr.write(proc.stdout[-3000:] + proc.stderr[-6000:])
+        raise SystemExit(f"{label} failed (exit {proc.returncode})")
+    result = json.loads(line[len("RESULT "):])
+    print(f"  {label:<14} {_describe(result)}", flush=True)
+    return result
+
+
+def _describe(r: dict) -> str:
+    if "matmul_flops" in r:
+        return f"fp32 matmul peak {r['matmul_flops'] / 1e9:.1f} GFLOP/s ({r['threads']} threads), others {r['others']:.0%}"
+    return (f"{r['trained_tokens'] / r['seconds']:.0f} trained tok/s, {r['real_tokens'] / r['seconds']:.0f} tok/s, "
+            f"{r['flops'] / r['seconds'] / 1e9:.1f} GFLOP/s, peak RSS {r['peak_rss_mib']:.0f} MiB, others {r['others']:.0%}")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--worker", choices=sorted(WORKERS), help=argparse.SUPPRESS)
+    p.add_argument("--settings", help=argparse.SUPPRESS)
+    p.add_argument("--model", default="smollm2-135m-instruct", help="alias or dir; 'tiny' builds a local random Llama")
+    p.add_argument("--steps", type=int, default=6, help="measured optimizer steps per run")
+    p.add_argument("--warmup", type=int, default=1, help="unmeasured steps first")
+    p.add_argument("--micro", type=int, default=4)
+    p.add_argument("--global-batch", type=int, default=8)
+    p.add_argument("--seq-len", type=int, default=512)
+    p.add_argument("--rounds", type=int, default=2, help="interleaved repetitions; the best of each is reported")
+    p.add_argument("--contenders", default="ftctl-packed,ftctl-padded,trl")
+    p.add_argument("--json", help="also write the results here")
+    args = p.parse_args()
+    if args.worker:
+        result = run_worker(args.worker, json.loads(args.settings))
+        print("RESULT " + json.dumps(result), flush=True)
+        return
+
+    work = Path(tempfile.mkdtemp(prefix="ftctl-bench-"))
+    os.environ.setdefault("FTCTL_HOME", str(work / "home"))
+    steps_total = args.warmup + args.steps
+    data = work / "bench_alpaca.jsonl"
+    write_dataset(data, steps_total * args.global_batch, seed=0)
+    settings = {
+        "model_dir": resolve_model(args.model, work), "data": str(data), "cache_dir": str(work / "cache"),
+        "work": str(work), "seq_len": args.seq_len, "micro": args.micro, "global": args.global_batch,
+        "steps": args.steps, "warmup": args.warmup, "lr": 2e-4, "seed": 0,
+        "lora_r": 16, "lora_alpha": 32, "lora_dropout": 0.05,
+    }
+    contenders = {
+        "ftctl-packed": ("ftctl", {"packing": True}),
+        "ftctl-padded": ("ftctl", {"packing": False}),
+        "trl": ("trl", {}),
+    }
+    chosen = [c.strip() for c in args.contenders.split(",")]
+    print(f"model {settings['model_dir']}; {args.steps} measured steps (+{args.warmup} warmup) of {args.global_batch} "
+          f"examples (micro {args.micro}), max_seq_len {args.seq_len}, LoRA r16 all-linear, fp32, {os.cpu_count()} CPUs")
+    results = {name: [] for name in ["matmul"] + chosen}
+    for round_no in range(args.rounds):
+        print(f"round {round_no + 1}", flush=True)
+        order = ["matmul"] + (chosen if round_no % 2 == 0 else chosen[::-1])
+        for name in order:
+            kind, extra = ("matmul", {}) if name == "matmul" else contenders[name]
+            results[name].append(spawn(kind, {**settings, **extra}, name))
+    report(results, chosen, args)
+
+
+def report(results: dict, chosen: list, args) -> None:
+    peak = max(r["matmul_flops"] for r in results["matmul"])
+    best = {name: min(results[name], key=lambda r: r["seconds"] / r["trained_tokens"]) for name in chosen}
+    print(f"\nbest of {args.rounds} round(s); fp32 matmul peak {peak / 1e9:.1f} GFLOP/s\n")
+    header = "| contender | trained tok/s | total tok/s | padding | peak RSS MiB | model GFLOP/s | % of matmul peak | others |"
+    print(header)
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    for name in chosen:
+        r = best[name]
+        flops = r["flops"] / r["seconds"]
+        print(f"| {name} | {r['trained_tokens'] / r['seconds']:.0f} | {r['real_tokens'] / r['seconds']:.0f} | "
+              f"{r['padding_waste']:.0%} | {r['peak_rss_mib']:.0f} | {flops / 1e9:.1f} | {flops / peak:.0%} | {r['others']:.0%} |")
+    if "trl" in best:
+        for name in chosen:
+            if name.startswith("ftctl"):
+                ratio = (best[name]["trained_tokens"] / best[name]["seconds"]) / (best["trl"]["trained_tokens"] / best["trl"]["seconds"])
+                rss = best[name]["peak_rss_mib"] / best["trl"]["peak_rss_mib"]
+                print(f"{name}: {ratio:.2f}x TRL's trained tokens/s at {rss:.2f}x its peak RSS")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"matmul_peak_flops": peak, "runs": results}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,179 @@
+"""Test-only worker: one torchrun launch runs many trainings in sequence and records what each backend did.
+
+Run as ``python -m torch.distributed.run --nproc-per-node N tests/distributed_harness.py PLAN.json OUT_DIR``.
+PLAN.json is a list of jobs ``{"id", "overrides", "overflow_at_forward"?, "cli"?}``. Every rank trains
+each job through the real runner (``ftctl.training.runner.train``) or, for ``"cli"`` jobs, through
+``ftctl train`` running in place under the launcher. The engine the backend built is kept, and after
+training each rank measures what it really holds: how many elements of the trainable parameters,
+of their gradients and of the optimizer state live on this rank, whether they are DTensor shards,
+ZeRO-3 partitions, and in which dtype. Rank 0 writes OUT_DIR/evidence.json, which the tests read.
+Sharing one launch keeps the suite fast: starting Python with torch, transformers and DeepSpeed
+costs more than a tiny model's training.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+
+class PoisonGradient(torch.autograd.Function):
+    """Identity forward; the gradient flowing back through it becomes inf, as an fp16 overflow would."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * float("inf")
+
+
+def install_overflow(model: torch.nn.Module, at_forward: int) -> None:
+    """Poison the backward of the ``at_forward``-th forward call (0-based) of the first decoder layer."""
+    from ftctl.parallel.fsdp import decoder_layers
+
+    calls = {"n": 0}
+
+    def hook(module, args, output):
+        n = calls["n"]
+        calls["n"] += 1
+        if n != at_forward:
+            return output
+        if isinstance(output, tuple):
+            return (PoisonGradient.apply(output[0]),) + tuple(output[1:])
+        return PoisonGradient.apply(output)
+
+    decoder_layers(model)[0].register_forward_hook(hook)
+
+
+def local_numel(t: torch.Tensor) -> int:
+    """Elements this rank stores: a DTensor's local shard, a ZeRO-3 parameter's partition, else all."""
+    if hasattr(t, "ds_tensor"):
+        return t.ds_tensor.numel()
+    if hasattr(t, "to_local"):
+        return t.to_local().numel()
+    return t.numel()
+
+
+def full_numel(t: torch.Tensor) -> int:
+    return getattr(t, "ds_numel", None) or t.numel()
+
+
+def expected_shard_rows(rows: int, rank: int, world: int) -> int:
+    chunks = torch.arange(rows).chunk(world)
+    return len(chunks[rank]) if rank < len(chunks) else 0
+
+
+def measure(engine, model, rank: int, world: int, grad_numel_before_step) -> dict:
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    frozen = [p for p in model.parameters() if not p.requires_grad]
+    dtensor_shard0 = rows_as_expected = 0
+    for p in trainable:
+        placements = getattr(p, "placements", None)
+        if placements is not None and len(placements) == 1 and placements[0].is_shard(0):
+            dtensor_shard0 += 1
+            rows_as_expected += p.to_local().shape[0] == expected_shard_rows(p.shape[0], rank, world)
+    optimizer = getattr(engine.optimizer, "optimizer", engine.optimizer)  # DeepSpeed's ZeRO wraps torch's
+    states = [s for s in optimizer.state.values() if "exp_avg" in s]
+    return {
+        "module_type": type(engine.module).__name__,
+        "trainable_full": sum(full_numel(p) for p in trainable),
+        "trainable_local": sum(local_numel(p) for p in trainable),
+        "frozen_full": sum(full_numel(p) for p in frozen),
+        "frozen_local": sum(local_numel(p) for p in frozen),
+        "trainable_count": len(trainable),
+        "dtensor_shard0": dtensor_shard0,
+        "shard_rows_as_expected": rows_as_expected,
+        "released_params": sum(p.data.numel() == 0 for p in model.parameters()),  # ZeRO-3 frees gathered data
+        "param_count": sum(1 for _ in model.parameters()),
+        "optimizer_state_local": sum(local_numel(s["exp_avg"]) for s in states),
+        "optimizer_state_dtypes": sorted({str(s["exp_avg"].dtype) for s in states}),
+        "trainable_dtypes": sorted({str(getattr(p, "ds_tensor", p).dtype) for p in trainable}),
+        "grad_local_before_first_step": grad_numel_before_step,
+    }
+
+
+def run_job(job: dict, rank: int, world: int, common: list) -> dict:
+    import torch.distributed as dist
+
+    import ftctl.training.runner as runner
+    from ftctl.cli import main as ftctl_main
+    from ftctl.config.compose import compose_config
+    from ftctl.training.run_dir import prepare_run_dir
+
+    if job.get("cli"):
+        return {"returncode": ftctl_main(["train", *common, *job["overrides"]])}
+
+    seen = {}
+    create_backend = runner.create_backend
+
+    def recording_backend(cfg):
+        backend = create_backend(cfg)
+        prepare = backend.prepare
+
+        def recording_prepare(model, make_optimizer, precision):
+            if job.get("overflow_at_forward") is not None and rank == 0:
+                install_overflow(model, job["overflow_at_forward"])
+            engine = prepare(model, make_optimizer, precision)
+            step = engine.step
+
+            def recording_step(max_grad_norm):
+                if "grad" not in seen:  # what this rank holds of the gradients when the optimizer runs
+                    seen["grad"] = sum(local_numel(p.grad) for p in model.parameters() if p.grad is not None)
+                return step(max_grad_norm)
+
+            engine.step = recording_step
+            seen["engine"], seen["model"] = engine, model
+            return engine
+
+        backend.prepare = recording_prepare
+        return backend
+
+    cfg = compose_config([*common, *job["overrides"]])
+    if rank == 0:
+        prepare_run_dir(cfg)
+    dist.barrier()
+    runner.create_backend = recording_backend
+    try:
+        runner.train(cfg, Path(cfg.output_dir))
+    finally:
+        runner.create_backend = create_backend
+    return measure(seen["engine"], seen["model"], rank, world, seen.get("grad"))
+
+
+def main(plan_path: str, out_dir: str) -> int:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    plan = json.loads(Path(plan_path).read_text())
+    evidence = {}
+    for job in plan["jobs"]:
+        start = time.perf_counter()
+        try:
+            record = run_job(job, rank, world, plan["common"])
+        except Exception:
+            traceback.print_exc()
+            record = {"error": traceback.format_exc()}
+        records = [None] * world
+        dist.all_gather_object(records, record)
+        evidence[job["id"]] = {"ranks": records, "seconds": round(time.perf_counter() - start, 2)}
+        if any("error" in r for r in records):
+            break  # a collective may be half done; the remaining jobs would hang or mislead
+        if rank == 0:
+            print(f"[harness] {job['id']}: {evidence[job['id']]['seconds']} s", flush=True)
+    if rank == 0:
+        Path(out_dir, "evidence.json").write_text(json.dumps(evidence, indent=1))
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(*sys.argv[1:3]))

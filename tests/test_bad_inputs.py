@@ -1,0 +1,66 @@
+"""Every mistake a user can make on the command line: one line naming the file and line or the key,
+a non-zero exit, no traceback, and nothing half-written."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ftctl.cli import main
+
+GOOD = {"instruction": "Say hi", "input": "", "output": "hi"}
+
+
+def write(path, text):
+    path.write_text(text)
+    return path
+
+
+CASES = {
+    "malformed_json_line": (lambda d: [f"data.path={write(d / 'x.jsonl', json.dumps(GOOD) + chr(10) + '{oops' + chr(10))}"],
+                            r"x\.jsonl:2: malformed JSON line"),
+    "missing_field": (lambda d: [f"data.path={write(d / 'x.jsonl', json.dumps({'instruction': 'a'}) + chr(10))}"],
+                      r"x\.jsonl:1: not a valid 'alpaca' record: missing required field 'output'"),
+    "wrong_format": (lambda d: [f"data.path={write(d / 'x.jsonl', json.dumps({'messages': [{'role': 'user', 'content': 'a'}, {'role': 'assistant', 'content': 'b'}]}) + chr(10))}"],
+                     r"looks like data.format=(sharegpt|openai)"),
+    "empty_dataset": (lambda d: [f"data.path={write(d / 'x.jsonl', '')}"], r"x\.jsonl: the file holds no examples"),
+    "all_masked": (lambda d: [f"data.path={write(d / 'x.jsonl', json.dumps({'instruction': 'w ' * 60, 'output': 'x'}) + chr(10))}",
+                              "data.max_seq_len=16"], r"every example was filtered out"),
+    "missing_data_file": (lambda d: [f"data.path={d / 'nope.jsonl'}"], r"data.path=.*nope.jsonl: no such file"),
+    "unknown_recipe": (lambda d: ["recipe=tiny_lorra"], r"unknown recipe 'tiny_lorra'. Did you mean 'tiny_lora'\?"),
+    "misspelled_key": (lambda d: ["train.max_step=3"], r"unknown config key 'train.max_step'. Did you mean 'train.max_steps'\?"),
+    "wrong_type": (lambda d: ["train.micro_batch_size=two"], r"config key 'train.micro_batch_size': expected integer, got 'two'"),
+    "missing_model": (lambda d: [f"model.name_or_path={d / 'none'}"], r"no such dir, alias or hub id"),
+    "not_a_model": (lambda d: [f"model.name_or_path={d}"], r"is not a model dir \(no config.json\)"),
+    "rank_zero": (lambda d: ["method.r=0"], r"method.r=0 must be > 0"),
+    "lr_negative": (lambda d: ["train.lr=-1e-4"], r"train.lr=-0.0001 must be > 0"),
+    "seq_len_small": (lambda d: ["data.max_seq_len=8"], r"data.max_seq_len=8 is too small"),
+    "eval_fraction": (lambda d: ["data.eval_fraction=-0.1"], r"data.eval_fraction=-0.1 must be in \[0, 1\)"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_bad_input_is_one_clear_line(case, tmp_path, tiny_model_dir, capsys):
+    make_args, expected = CASES[case]
+    data_dir = tmp_path / "in"
+    data_dir.mkdir()
+    out = tmp_path / "run"
+    args = ["train", "recipe=tiny_lora", f"model.name_or_path={tiny_model_dir}", f"output_dir={out}",
+            "train.progress_bar=false", "train.tensorboard=false", *make_args(data_dir)]
+    code = main(args)
+    err = capsys.readouterr().err
+    assert code in (1, 2)
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("ftctl: error: "), err
+    import re
+
+    assert re.search(expected, lines[0]), lines[0]
+    assert not out.exists(), "a failed run left files behind"
+
+
+def test_debug_shows_the_traceback(tmp_path):
+    from ftctl.errors import ConfigError
+
+    with pytest.raises(ConfigError):
+        main(["--debug", "train", "train.lrr=1"])

@@ -1,0 +1,105 @@
+"""Recipes compose and validate; mistakes give one message naming the key and the nearest valid one."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from ftctl.config.compose import compose_config, group_options, list_recipes, load_resolved, to_yaml
+from ftctl.errors import ConfigError
+
+
+@pytest.mark.parametrize("recipe", group_options("recipe"))
+def test_every_recipe_composes_and_validates(recipe):
+    cfg = compose_config([f"recipe={recipe}"])
+    assert cfg.model.name_or_path
+    assert cfg.train.global_batch_size % cfg.train.micro_batch_size == 0
+
+
+@pytest.mark.parametrize("group", ["model", "method", "parallel", "precision", "data"])
+def test_every_group_option_composes(group):
+    for option in group_options(group):
+        overrides = [f"{group}={option}"]
+        if group == "parallel" and option != "single":
+            overrides.append("parallel.nproc_per_node=2")
+        compose_config(overrides)
+
+
+def test_recipe_list_has_command_and_description():
+    recipes = {r["name"]: r for r in list_recipes()}
+    assert "tiny_lora" in recipes
+    for name, r in recipes.items():
+        assert r["command"].startswith(f"ftctl train recipe={name}"), r
+        assert r["description"], f"recipe {name} has no one-line description comment"
+
+
+def test_group_override_after_recipe_wins():
+    cfg = compose_config(["recipe=tiny_lora", "method=full", "train.lr=1e-5"])
+    assert cfg.method.name == "full"
+    assert cfg.train.lr == 1e-5
+    assert cfg.train.max_steps == 30  # still the recipe's
+
+
+@pytest.mark.parametrize(
+    "override, expected",
+    [
+        ("train.lrr=3", "unknown config key 'train.lrr'. Did you mean 'train.lr'?"),
+        ("trian.lr=3", "Did you mean 'train.lr'?"),
+        ("method.rank=4", "Did you mean 'method.r'?"),
+        ("train.lr=abc", "config key 'train.lr': expected float, got 'abc'"),
+        ("train.max_steps=2.5", "config key 'train.max_steps': expected integer"),
+        ("method=lorra", "unknown method 'lorra'. Did you mean 'lora'?"),
+        ("recipe=tiny_lor", "unknown recipe 'tiny_lor'. Did you mean 'tiny_lora'?"),
+        ("train.lr=0", "train.lr=0.0 must be > 0"),
+        ("method.r=0", "method.r=0 must be > 0"),
+        ("data.eval_fraction=1.0", "data.eval_fraction=1.0 must be in [0, 1)"),
+        ("data.max_seq_len=4", "data.max_seq_len=4 is too small"),
+        ("train.global_batch_size=6", "must be a multiple of train.micro_batch_size"),
+        ("train.lr", "write key=value"),
+    ],
+)
+def test_bad_overrides_give_one_clear_message(override, expected):
+    with pytest.raises(ConfigError) as info:
+        compose_config(["recipe=tiny_lora", override])
+    assert expected in str(info.value)
+    assert "\n" not in str(info.value)
+
+
+def test_unknown_key_in_a_recipe_file_names_the_key(tmp_path, monkeypatch):
+    import shutil
+
+    import ftctl.config.compose as compose
+
+    tree = tmp_path / "recipes"
+    shutil.copytree(compose.recipes_dir(), tree)
+    (tree / "recipe" / "broken.yaml").write_text(
+        "# ftctl train recipe=broken\n# a recipe with a typo\ntrain:\n  max_stpes: 3\n"
+    )
+    monkeypatch.setattr(compose, "recipes_dir", lambda: tree)
+    with pytest.raises(ConfigError, match="max_stpes.*Did you mean 'train.max_steps'"):
+        compose_config(["recipe=broken"])
+
+
+def test_resolved_config_round_trips(tmp_path):
+    cfg = compose_config(["recipe=tiny_lora", f"output_dir={tmp_path}/run", "seed=7"])
+    path = tmp_path / "config.yaml"
+    path.write_text(to_yaml(cfg))
+    assert "${" not in path.read_text()  # interpolations resolved once, in the parent
+    assert load_resolved(path) == cfg
+
+
+def test_cli_cfg_prints_config_and_errors_are_messages(tmp_path):
+    ok = subprocess.run([sys.executable, "-m", "ftctl", "train", "recipe=tiny_lora", "seed=3", "--cfg"],
+                        capture_output=True, text=True)
+    assert ok.returncode == 0, ok.stderr
+    assert "seed: 3" in ok.stdout and "name: lora" in ok.stdout
+    bad = subprocess.run([sys.executable, "-m", "ftctl", "train", "train.lrr=1"], capture_output=True, text=True)
+    assert bad.returncode == 2
+    assert bad.stderr.strip() == (
+        "ftctl: error: unknown config key 'train.lrr'. Did you mean 'train.lr'? (`ftctl config-docs` lists every key)"
+    )
+    assert "Traceback" not in bad.stderr
+    listing = subprocess.run([sys.executable, "-m", "ftctl", "recipes"], capture_output=True, text=True)
+    assert "tiny_lora" in listing.stdout

@@ -1,0 +1,154 @@
+"""The memory estimator: classic figures, what each backend shards, QLoRA's 4-bit weights, the CLI,
+and agreement with the measured memory of real training runs."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ftctl.cli import main
+from ftctl.config.compose import compose_config
+from ftctl.errors import ConfigError
+from ftctl.estimate import estimate_for
+
+LLAMA2_7B_PARAMETERS = 6_738_415_616  # as published for meta-llama/Llama-2-7b-hf
+
+
+def _estimate(*overrides):
+    return estimate_for(compose_config(list(overrides)))
+
+
+def test_7b_full_fp32_adam_classic_figures():
+    """4 bytes of weights, 4 of gradients and 8 of Adam states per parameter: 28/28/56 GB for 7B parameters."""
+    e = _estimate("recipe=llama7b_full", "precision=fp32")
+    assert e.parameters == e.trainable_parameters == LLAMA2_7B_PARAMETERS
+    assert (e.weights_bytes, e.gradients_bytes, e.optimizer_bytes) == (4 * e.parameters, 4 * e.parameters, 8 * e.parameters)
+    per_7b = 7e9 / e.parameters
+    assert round(e.weights_bytes * per_7b / 1e9) == 28 and round(e.optimizer_bytes * per_7b / 1e9) == 56
+    assert e.total_bytes == e.weights_bytes + e.gradients_bytes + e.optimizer_bytes + e.activations_bytes
+
+
+@pytest.mark.parametrize(
+    "backend, sharded",
+    [("ddp", ()), ("zero1", ("optimizer",)), ("zero2", ("optimizer", "gradients")),
+     ("zero3", ("optimizer", "gradients", "weights")), ("fsdp", ("optimizer", "gradients", "weights"))],
+)
+@pytest.mark.parametrize("method", ["full", "lora"])
+def test_backends_divide_exactly_what_they_shard(backend, sharded, method):
+    """Against the same backend on one rank: each part it shards is divided by N exactly, the others are unchanged."""
+    common = ["recipe=llama7b_full", f"method={method}", f"parallel={backend}", "precision=bf16",
+              "parallel.zero3_persistence_threshold=0", "train.global_batch_size=64"]
+    one = _estimate(*common, "parallel.nproc_per_node=1")
+    eight = _estimate(*common, "parallel.nproc_per_node=8")
+    for part in ("weights", "gradients", "optimizer"):
+        expected = getattr(one, f"{part}_bytes") / 8 if part in sharded else getattr(one, f"{part}_bytes")
+        assert getattr(eight, f"{part}_bytes") == pytest.approx(expected, abs=1), part
+    assert eight.activations_bytes == one.activations_bytes
+    assert (eight.gathered_bytes > 0) == ("weights" in sharded)
+
+
+def test_zero_stage_3_fp16_is_the_zero_papers_2_2_12_over_n():
+    e = _estimate("recipe=llama7b_full", "parallel=zero3", "parallel.nproc_per_node=8", "precision=fp16",
+                  "parallel.zero3_persistence_threshold=0", "train.global_batch_size=64")
+    p = e.parameters
+    assert (e.weights_bytes, e.gradients_bytes, e.optimizer_bytes) == (2 * p // 8, 2 * p // 8, 12 * p // 8)
+    # By default ZeRO-3 keeps parameters below its persistence threshold (the norms) whole on every rank.
+    kept = _estimate("recipe=llama7b_full", "parallel=zero3", "parallel.nproc_per_node=8", "precision=fp16",
+                     "train.global_batch_size=64")
+    norms = (2 * 32 + 1) * 4096
+    assert kept.weights_bytes == pytest.approx(2 * (p - norms) / 8 + 2 * norms, abs=1)
+
+
+def test_ddp_keeps_a_second_copy_of_gradients_offload_moves_states():
+    single = _estimate("recipe=llama7b_full", "precision=bf16")
+    ddp = _estimate("recipe=llama7b_full", "precision=bf16", "parallel=ddp", "parallel.nproc_per_node=2", "train.global_batch_size=64")
+    assert ddp.gradients_bytes == 2 * single.gradients_bytes
+    offload = _estimate("recipe=llama7b_full", "precision=bf16", "parallel=zero2", "parallel.nproc_per_node=2",
+                        "parallel.offload_optimizer=cpu", "train.global_batch_size=64")
+    assert offload.optimizer_bytes == 0 and offload.offloaded_bytes == 12 * offload.parameters // 2
+
+
+@pytest.mark.parametrize("double_quant, constants", [(True, 1 / 64 + 4 / (64 * 256)), (False, 4 / 64)])
+def test_qlora_base_is_half_a_byte_per_parameter_plus_constants(double_quant, constants):
+    e = _estimate("recipe=llama7b_qlora", "precision=bf16", f"method.double_quant={str(double_quant).lower()}")
+    hidden, vocab, layers, inter = 4096, 32000, 32, 11008
+    linear = layers * (4 * hidden * hidden + 3 * hidden * inter)
+    unquantised = LLAMA2_7B_PARAMETERS - linear  # embeddings, norms, head: fp32 after prepare_model_for_kbit_training
+    adapters = e.trainable_parameters
+    assert adapters == layers * 64 * (4 * 2 * hidden + 3 * (hidden + inter))
+    assert e.weights_bytes == pytest.approx(linear * (0.5 + constants) + 4 * (unquantised + adapters), abs=2)
+    bf16_lora = _estimate("recipe=llama7b_lora", "precision=bf16")
+    assert e.weights_bytes < 0.4 * bf16_lora.weights_bytes
+
+
+def test_checkpointing_and_the_configured_activations():
+    plain = _estimate("recipe=llama7b_lora", "precision=bf16", "train.gradient_checkpointing=false")
+    ckpt = _estimate("recipe=llama7b_lora", "precision=bf16", "train.gradient_checkpointing=true")
+    assert plain.activations_bytes == plain.activations_without_checkpointing_bytes
+    assert ckpt.activations_bytes == ckpt.activations_with_checkpointing_bytes < plain.activations_bytes / 5
+    double = _estimate("recipe=llama7b_lora", "precision=bf16", "train.gradient_checkpointing=false",
+                       "train.micro_batch_size=8")
+    # Activations grow with the micro-batch's tokens (a fixed part aside: one chunk of logits).
+    assert double.activations_bytes == pytest.approx(2 * plain.activations_bytes, rel=0.01)
+
+
+def test_estimate_cli_json_and_table(capsys):
+    assert main(["estimate", "recipe=llama7b_lora", "precision=bf16", "parallel=zero3", "parallel.nproc_per_node=4", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    keys = ("weights_bytes", "gradients_bytes", "optimizer_bytes", "activations_bytes", "total_bytes")
+    assert all(isinstance(data[k], int) and data[k] > 0 for k in keys)
+    assert data["total_bytes"] == sum(data[k] for k in keys[:-1]) + data["gathered_bytes"]
+    assert data["world_size"] == 4
+    assert main(["estimate", "recipe=llama7b_full", "precision=fp32"]) == 0
+    table = capsys.readouterr().out
+    for row in ("weights", "gradients", "optimizer states", "activations, no checkpointing",
+                "activations, gradient checkpointing", "total"):
+        assert row in table
+    assert "25.10 GiB" in table  # 4 × 6.74e9 bytes
+
+
+def test_estimate_needs_an_architecture_not_weights(capsys, tmp_path):
+    with pytest.raises(ConfigError, match="model.config_file"):
+        _estimate("model.name_or_path=some-org/unknown-model")
+    assert main(["estimate", "model.name_or_path=some-org/unknown-model"]) == 2
+    assert "model.config_file" in capsys.readouterr().err
+    # An alias that has not been built yet is estimated from its shipped config, without building it.
+    e = _estimate("model.name_or_path=smollm2-135m-instruct", "method=lora", "method.r=8")
+    assert e.parameters - e.trainable_parameters == 134_515_008
+    assert not (Path(os.environ["FTCTL_HOME"]) / "models" / "smollm2-135m-instruct").exists()
+
+
+def test_dry_run_prints_the_plan_and_memory_without_training(capsys, tmp_path):
+    out = tmp_path / "never"
+    assert main(["train", "recipe=llama7b_qlora", f"output_dir={out}", "--dry-run"]) == 0
+    text = capsys.readouterr().out
+    assert "plan (dry run" in text and "method     qlora r=64" in text and "global 32 = micro 4" in text
+    assert "weights" in text and "total" in text and "<- this run" in text
+    assert not out.exists()
+
+
+def test_estimate_agrees_with_measured_training_memory(tmp_path):
+    """Real runs of a 4-layer, 256-wide Llama on this CPU (fp32, 4 × 128 tokens per micro-batch, two
+    micro-batches per step): the estimate is within 25 % of the measured increase in process memory."""
+    if not Path("/proc/self/clear_refs").exists():
+        pytest.skip("needs Linux /proc to reset the memory high-water mark")
+    configs = ["method=full", "method=lora method.dropout=0.05", "method=full train.gradient_checkpointing=true"]
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="131072", TOKENIZERS_PARALLELISM="false")
+    probe = Path(__file__).with_name("memory_probe.py")
+    proc = subprocess.run([sys.executable, str(probe), str(tmp_path), *configs], capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert [r["config"] for r in rows] == configs
+    report = []
+    for r in rows:
+        ratio = r["estimate"]["total_bytes"] / r["measured_increase"]
+        report.append(f"{r['config']}: estimate {r['estimate']['total_bytes'] / 2**20:.1f} MiB, "
+                      f"measured {r['measured_increase'] / 2**20:.1f} MiB, ratio {ratio:.2f}")
+    print("\n".join(report))
+    for r, line in zip(rows, report):
+        assert 0.75 <= r["estimate"]["total_bytes"] / r["measured_increase"] <= 1.25, line

@@ -1,0 +1,158 @@
+"""Packing (data.packing) and the chunked loss: same examples, same loss, less padding, no full logits."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ftctl.data.batching import Batching, collate, pack_examples, pack_rows
+from ftctl.data.render import IGNORE_INDEX
+
+
+def _example(rng, n, prompt):
+    ids = rng.integers(10, 500, n)
+    labels = ids.copy()
+    labels[:prompt] = IGNORE_INDEX
+    return ids, labels
+
+
+def test_pack_rows_uses_few_short_rows_and_never_splits():
+    lengths = [50, 10, 70, 30, 40, 20, 100]
+    rows = pack_rows(lengths, 100)
+    assert sorted(i for row in rows for i in row) == list(range(len(lengths)))
+    assert all(sum(lengths[i] for i in row) <= 100 for row in rows)
+    assert len(rows) == 4  # 320 tokens need 4 rows of 100
+    assert pack_rows(lengths, 100) == rows  # deterministic
+    # First fit alone would give 300+200 | 120+90 (width 500); balancing the two rows gives width 390.
+    balanced = pack_rows([300, 120, 200, 90], 512)
+    assert len(balanced) == 2 and max(sum([300, 120, 200, 90][i] for i in row) for row in balanced) == 390
+    with pytest.raises(ValueError):
+        pack_rows([101], 100)
+
+
+def test_packed_layout_restarts_positions_and_keeps_trained_tokens():
+    rng = np.random.default_rng(0)
+    examples = [_example(rng, n, p) for n, p in ((30, 10), (12, 0), (25, 5), (40, 20))]
+    padded = collate(examples, pad_token_id=0)
+    packed = pack_examples(examples, row_len=64, pad_token_id=0)
+    assert packed.attention_mask is None
+    assert packed.trained_tokens == padded.trained_tokens
+    assert packed.real_tokens == padded.real_tokens == 107
+    assert packed.positions < padded.positions
+    for r, row in enumerate(pack_rows([len(x) for x, _ in examples], 64)):
+        start = 0
+        for i in row:
+            n = len(examples[i][0])
+            assert packed.position_ids[r, start : start + n].tolist() == list(range(n))
+            # The first token of a packed example is never predicted from the example before it.
+            assert packed.labels[r, start] == IGNORE_INDEX
+            start += n
+        assert packed.position_ids[r, start:].tolist() == list(range(packed.input_ids.shape[1] - start))
+        assert (packed.labels[r, start:] == IGNORE_INDEX).all()
+
+
+def test_batching_keeps_micro_batch_count():
+    """Packing lays out each micro-batch's examples differently; it never changes how many micro-batches a step has."""
+    rng = np.random.default_rng(1)
+    data = [_example(rng, int(n), 3) for n in rng.integers(5, 60, 16)]
+    padded = Batching(4, 0, 8)(data, list(range(16)))
+    packed = Batching(4, 0, 8, pack_to=128)(data, list(range(16)))
+    assert len(padded) == len(packed) == 4
+    assert [b.trained_tokens for b in padded] == [b.trained_tokens for b in packed]
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tiny_model_dir):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32, attn_implementation="sdpa")
+
+
+def test_packed_forward_has_no_attention_across_examples(tiny_model):
+    """In a packed row, what another example says changes nothing; with positions that do not restart
+    (the row read as one sequence) it would."""
+    import dataclasses
+
+    import torch
+
+    from ftctl.training.loss import token_loss_sum
+
+    rng = np.random.default_rng(2)
+    scored = _example(rng, 24, 6)
+    silent = np.full(20, IGNORE_INDEX)  # the neighbour trains nothing, so only `scored` adds to the loss
+    neighbour, other_neighbour = (rng.integers(10, 500, 20), silent), (rng.integers(10, 500, 20), silent)
+    cpu = torch.device("cpu")
+
+    def loss(batch, restart=True):
+        if not restart:
+            width = batch.input_ids.shape[1]
+            batch = dataclasses.replace(batch, position_ids=torch.arange(width).expand(batch.input_ids.shape).clone())
+        with torch.no_grad():
+            return token_loss_sum(tiny_model, batch, cpu)
+
+    packed = pack_examples([neighbour, scored], 64, 0)
+    other = pack_examples([other_neighbour, scored], 64, 0)
+    assert packed.input_ids.shape[0] == 1  # both examples share one row
+    torch.testing.assert_close(loss(packed), loss(other))
+    torch.testing.assert_close(loss(packed), loss(collate([scored], 0)), rtol=1e-5, atol=1e-5)
+    assert abs(float(loss(packed, restart=False)) - float(loss(other, restart=False))) > 1e-3
+
+
+@pytest.mark.parametrize("wrap", ["plain", "peft"])
+def test_chunked_head_loss_matches_full_logits(tiny_model_dir, wrap, monkeypatch):
+    """The loss the head computes in chunks (only trained positions, no full logits) equals cross_entropy
+    over full logits, in value and in gradients, for a plain HF model and a peft-wrapped one."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    import ftctl.training.loss as loss_module
+
+    def build():
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+        if wrap == "peft":
+            from peft import LoraConfig, get_peft_model
+
+            model.requires_grad_(False)
+            model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False))
+        return model
+
+    monkeypatch.setattr(loss_module, "CHUNK_ELEMENTS", 7 * 512)  # several chunks even for this small batch
+    rng = np.random.default_rng(3)
+    batch = collate([_example(rng, n, p) for n, p in ((30, 10), (17, 3), (26, 26 - 4))], 0)
+    results = []
+    for fused in (True, False):
+        model = build()
+        if fused:
+            assert loss_module.head_for_loss(model) is not None
+        else:
+            monkeypatch.setattr(loss_module, "head_for_loss", lambda module: None)
+        loss = loss_module.token_loss_sum(model, batch, torch.device("cpu"))
+        (loss * 0.25).backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+        results.append((loss.detach(), grads))
+        # The head is itself again after the call.
+        assert "forward" not in model.get_output_embeddings().__dict__
+    (fused_loss, fused_grads), (plain_loss, plain_grads) = results
+    torch.testing.assert_close(fused_loss, plain_loss, rtol=1e-5, atol=1e-4)
+    assert fused_grads.keys() == plain_grads.keys() and fused_grads
+    for name in plain_grads:
+        torch.testing.assert_close(fused_grads[name], plain_grads[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_packed_run_trains_like_unpacked_with_less_padding(make_cfg, run_training):
+    """Same examples per step, same loss every step; the padding share drops and is reported."""
+    common = ("train.max_steps=4", "train.micro_batch_size=4", "train.global_batch_size=8", "data.max_seq_len=128")
+    _, padded = run_training(make_cfg(*common, "data.packing=false"))
+    _, packed = run_training(make_cfg(*common, "data.packing=true", "overwrite=true"))
+    padded = [m for m in padded if "loss" in m]
+    packed = [m for m in packed if "loss" in m]
+    assert len(padded) == len(packed) == 4
+    for a, b in zip(padded, packed):
+        assert a["trained_tokens"] == b["trained_tokens"]
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-4)
+        assert 0.0 <= b["padding_waste"] < a["padding_waste"] < 1.0
+        assert a["non_trained_share"] > a["padding_waste"]  # prompts are untrained too
+        assert b["trained_tokens_per_s"] > 0

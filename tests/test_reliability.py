@@ -1,0 +1,186 @@
+"""A long run survives being killed, and a user's mistake costs one message, never a lost checkpoint."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from ftctl.errors import FtctlError
+from ftctl.training.checkpoint import complete_checkpoints
+from ftctl.training.metrics import read_metrics
+
+
+def losses_by_step(run_dir):
+    return {m["step"]: m["loss"] for m in read_metrics(run_dir) if "loss" in m}
+
+
+def train_cli(tiny_model_dir, out, *extra):
+    args = [sys.executable, "-m", "ftctl", "train", "recipe=tiny_lora", f"model.name_or_path={tiny_model_dir}",
+            f"output_dir={out}", "train.max_steps=30", "train.save_every=4", "method.dropout=0.1",
+            "train.progress_bar=false", "train.tensorboard=false", "train.num_threads=1", *extra]
+    return args
+
+
+def wait_for_step(proc, run_dir, step, timeout=120):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"training ended before step {step}: {proc.stderr.read()}")
+        if max(losses_by_step(run_dir), default=0) >= step:
+            return
+        time.sleep(0.02)
+    raise AssertionError("timed out waiting for training progress")
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tiny_model_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("uninterrupted") / "run"
+    done = subprocess.run(train_cli(tiny_model_dir, out), capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    return losses_by_step(out)
+
+
+def test_kill_9_then_resume_matches_an_uninterrupted_run(tiny_model_dir, tmp_path, uninterrupted):
+    out = tmp_path / "run"
+    kill_after = random.Random().randint(6, 24)  # any step after the first checkpoint (step 4)
+    proc = subprocess.Popen(train_cli(tiny_model_dir, out), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    wait_for_step(proc, out, kill_after)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    killed_at = max(losses_by_step(out))
+    assert killed_at < 30, "the run finished before it could be killed"
+    resumed = subprocess.run(train_cli(tiny_model_dir, out, "resume=auto"), capture_output=True, text=True)
+    assert resumed.returncode == 0, resumed.stderr
+    assert "resumed from" in resumed.stdout
+    got = losses_by_step(out)
+    assert sorted(got) == list(range(1, 31))
+    # Same process type and backend: the resumed run must be bit-for-bit the uninterrupted one.
+    assert got == uninterrupted, f"killed after step {killed_at}"
+
+
+def test_sigterm_saves_a_checkpoint_and_says_how_to_resume(tiny_model_dir, tmp_path, uninterrupted):
+    out = tmp_path / "run"
+    proc = subprocess.Popen(train_cli(tiny_model_dir, out), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wait_for_step(proc, out, 6)
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 143, stderr
+    assert "SIGTERM at step" in stderr and "resume=auto" in stderr and "Traceback" not in stderr
+    stopped_at = json.loads((complete_checkpoints(out)[-1] / "trainer_state.json").read_text())["step"]
+    assert stopped_at == max(losses_by_step(out)) and stopped_at % 4 != 0 or stopped_at >= 6
+    resumed = subprocess.run(train_cli(tiny_model_dir, out, "resume=auto"), capture_output=True, text=True)
+    assert resumed.returncode == 0, resumed.stderr
+    assert losses_by_step(out) == uninterrupted
+
+
+def test_incomplete_checkpoints_are_never_resumed_and_pruning_waits(make_cfg, run_training, tmp_path):
+    result, _ = run_training(make_cfg("train.max_steps=9", "train.save_every=2", "train.keep_last=2"))
+    ckpts = complete_checkpoints(result.run_dir)
+    assert [p.name for p in ckpts] == ["step-6", "step-8"]
+    # A checkpoint cut off while writing: a staging dir, and a step dir without its state file.
+    (result.run_dir / "checkpoints" / ".step-10.partial").mkdir()
+    broken = result.run_dir / "checkpoints" / "step-12"
+    broken.mkdir()
+    (broken / "adapter_model.safetensors").write_bytes(b"truncated")
+    assert complete_checkpoints(result.run_dir)[-1].name == "step-8"
+
+
+def test_resume_refuses_a_changed_config_and_allows_cosmetic_changes(make_cfg, run_training, tmp_path):
+    from ftctl.training.run_dir import prepare_run_dir
+
+    run_training(make_cfg("train.max_steps=4", "train.save_every=2"))
+    with pytest.raises(FtctlError, match=r"config differs in method.r, train.lr"):
+        prepare_run_dir(make_cfg("train.max_steps=4", "train.save_every=2", "train.lr=1e-3", "method.r=4", "resume=auto"))
+    prepare_run_dir(make_cfg("train.max_steps=4", "train.save_every=2", "train.log_every=2", "resume=auto"))
+    with pytest.raises(FtctlError, match="continue it with resume=auto"):
+        prepare_run_dir(make_cfg("train.max_steps=4"))
+
+
+def test_overwrite_starts_over(make_cfg, run_training):
+    first, _ = run_training(make_cfg("train.max_steps=4", "train.save_every=2"))
+    second, metrics = run_training(make_cfg("train.max_steps=2", "overwrite=true"))
+    assert not (second.run_dir / "checkpoints").exists()
+    assert [m["step"] for m in metrics] == [1, 2]
+
+
+def test_nan_stops_with_the_step_and_keeps_the_last_good_state(make_cfg, run_training, monkeypatch):
+    import ftctl.training.runner as runner
+
+    real_loss, calls = runner.token_loss_sum, {"n": 0}
+
+    def poisoned(module, batch, device):
+        calls["n"] += 1
+        loss = real_loss(module, batch, device)
+        return loss * float("nan") if calls["n"] > 2 * 4 else loss  # 2 micro-batches per step: NaN from step 5
+
+    monkeypatch.setattr(runner, "token_loss_sum", poisoned)
+    with pytest.raises(FtctlError, match=r"step 5: non-finite training.*saved in .*step-4") as info:
+        run_training(make_cfg("train.max_steps=8"))
+    ckpt = Path(str(info.value).split("saved in ")[1].split(". ")[0])
+    from safetensors.torch import load_file
+
+    weights = load_file(ckpt / "adapter_model.safetensors")
+    assert all(torch.isfinite(w).all() for w in weights.values())
+
+    calls["n"] = 0
+    monkeypatch.setattr(runner, "token_loss_sum",
+                        lambda m, b, d: (lambda l: l * float("nan") if calls.__setitem__("n", calls["n"] + 1) or calls["n"] in (5, 6) else l)(real_loss(m, b, d)))
+    result, metrics = run_training(make_cfg("train.max_steps=5", "train.max_nonfinite_steps=1", "overwrite=true"))
+    assert torch.isfinite(torch.tensor([m["loss"] for m in metrics if m["step"] != 3])).all()
+    assert all(torch.isfinite(p).all() for p in result.model.parameters())
+
+
+def test_optimizer_state_is_loaded_without_unpickling_code(make_cfg, run_training, tmp_path):
+    result, _ = run_training(make_cfg("train.max_steps=4", "train.save_every=2"))
+    marker = tmp_path / "pwned"
+
+    class Exploit:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    torch.save({"optimizer": Exploit()}, result.run_dir / "checkpoints" / "step-2" / "optimizer.rank0.pt")
+    from ftctl.training.run_dir import prepare_run_dir
+    from ftctl.training.runner import train
+
+    cfg = make_cfg("train.max_steps=4", "train.save_every=2", "resume=checkpoints")
+    cfg.resume = str(result.run_dir / "checkpoints" / "step-2")
+    with pytest.raises(Exception) as info:
+        train(cfg, prepare_run_dir(cfg))
+    assert "weights_only" in str(info.value) or "Unsupported global" in str(info.value)
+    assert not marker.exists()
+
+
+def test_configs_cannot_instantiate_objects():
+    from ftctl.config.compose import compose_config
+    from ftctl.errors import ConfigError
+
+    for override in ("+_target_=os.system", "_target_=os.system", "model._target_=os.system"):
+        with pytest.raises(ConfigError):
+            compose_config(["recipe=tiny_lora", override])
+
+
+def test_remote_code_is_not_run_unless_allowed(tmp_path, tiny_model_dir):
+    import shutil
+
+    from ftctl.config.schema import ModelConfig
+    from ftctl.models.loading import load_causal_lm
+
+    model_dir = tmp_path / "remote"
+    shutil.copytree(tiny_model_dir, model_dir)
+    marker = tmp_path / "ran"
+    (model_dir / "evil.py").write_text(f"open({str(marker)!r}, 'w').write('x')\nfrom transformers import LlamaConfig as EvilConfig\n")
+    config = json.loads((model_dir / "config.json").read_text())
+    config["auto_map"] = {"AutoConfig": "evil.EvilConfig"}
+    (model_dir / "config.json").write_text(json.dumps(config))
+    model = load_causal_lm(ModelConfig(name_or_path=str(model_dir)), str(model_dir), dtype=torch.float32)
+    assert type(model).__module__.startswith("transformers.")  # the built-in class, not the repo's code
+    assert not marker.exists()
