@@ -67,7 +67,7 @@ def bench(method: str, out_dir: Path, steps, n: int) -> dict:
         reason = next((line for line in reversed(train_log.splitlines()) if line.strip()), "?")
         return {"method": method, "error": reason}
     target = f"model={run_dir}" if method == "full" else f"adapter={run_dir}"
-    eval_args = ["eval", f"recipe={RECIPE}", target, f"n={n}", "max_new_tokens=40", f"output={run_dir / 'eval'}"]
+    eval_args = ["eval", f"recipe={RECIPE}", target, "max_new_tokens=40", f"output={run_dir / 'eval'}"] + ([f"n={n}"] if n else [])
     code, eval_seconds, _ = run_measured(eval_args, out_dir / f"{method}.eval.log")
     if code != 0:
         return {"method": method, "error": "eval failed: see " + str(out_dir / f"{method}.eval.log")}
@@ -100,7 +100,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--methods", default="full,lora,qlora,dora")
     parser.add_argument("--steps", type=int, default=None, help="training steps (default: the recipe's)")
-    parser.add_argument("--n", type=int, default=50, help="held-out examples to score")
+    parser.add_argument("--n", type=int, default=0, help="held-out examples to score (default: all 50)")
     parser.add_argument("--out-dir", default="runs/bench_methods")
     parser.add_argument("--baseline", action="store_true", help="also score the untrained base model")
     args = parser.parse_args()
@@ -114,8 +114,8 @@ def main() -> None:
 
     baseline = None
     if args.baseline:
-        code, _, _ = run_measured(["eval", f"recipe={RECIPE}", f"n={args.n}", "max_new_tokens=40",
-                                   f"output={out_dir / 'base_eval'}"], out_dir / "base.eval.log")
+        code, _, _ = run_measured(["eval", f"recipe={RECIPE}", "max_new_tokens=40", f"output={out_dir / 'base_eval'}"]
+                                  + ([f"n={args.n}"] if args.n else []), out_dir / "base.eval.log")
         if code == 0:
             baseline = json.loads((out_dir / "base_eval" / "eval.json").read_text())["score"]
     rows = []

@@ -125,23 +125,19 @@ def model_flops(config: dict, lengths, trained: int, lora_r: int, full: bool = F
     gradients. The first layer's input gradient is not needed when nothing below it trains. Causal
     attention costs 2·2·heads·head_dim·len·(len+1)/2 per example forward and twice that backward.
     """
-    h, layers, vocab = config["hidden_size"], config["num_hidden_layers"], config["vocab_size"]
-    heads, kv = config["num_attention_heads"], config.get("num_key_value_heads") or config["num_attention_heads"]
-    hd = config.get("head_dim") or h // heads
-    inter = config["intermediate_size"]
-    shapes = {  # (in, out) of each linear in a layer
-        "q": (h, heads * hd), "k": (h, kv * hd), "v": (h, kv * hd), "o": (heads * hd, h),
-        "gate": (h, inter), "up": (h, inter), "down": (inter, h),
-    }
+    from ftctl.models.architecture import Architecture
+
+    arch = Architecture.from_config(config)
+    shapes = {name: (i, o) for name, (i, o, _) in arch.linear_shapes().items()}
     tokens = sum(lengths)
     per_layer = sum(i * o for i, o in shapes.values())
-    first_inputs = sum(i * o for name, (i, o) in shapes.items() if name in ("q", "k", "v", "gate", "up"))
-    forward = 2 * per_layer * layers * tokens
-    input_grads = 2 * per_layer * layers * tokens - (0 if full else 2 * first_inputs * tokens)
-    weight_grads = 2 * per_layer * layers * tokens if full else 0
-    lora = 0 if full else 3 * 2 * lora_r * sum(i + o for i, o in shapes.values()) * layers * tokens
-    attention = 3 * sum(2 * heads * hd * n * (n + 1) for n in lengths) * layers
-    head = (3 if full else 2) * 2 * h * vocab * trained
+    first_inputs = sum(i * o for name, (i, o) in shapes.items() if name in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"))
+    forward = 2 * per_layer * arch.layers * tokens
+    input_grads = 2 * per_layer * arch.layers * tokens - (0 if full else 2 * first_inputs * tokens)
+    weight_grads = 2 * per_layer * arch.layers * tokens if full else 0
+    lora = 0 if full else 3 * 2 * lora_r * sum(i + o for i, o in shapes.values()) * arch.layers * tokens
+    attention = 3 * sum(2 * arch.attention_width * n * (n + 1) for n in lengths) * arch.layers
+    head = (3 if full else 2) * 2 * arch.hidden * arch.vocab * trained
     return float(forward + input_grads + weight_grads + lora + attention + head)
 
 
@@ -309,6 +305,8 @@ def main() -> None:
     p.add_argument("--micro", type=int, default=4)
     p.add_argument("--global-batch", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=512)
+    p.add_argument("--lora-r", type=int, default=16)
+    p.add_argument("--lora-dropout", type=float, default=0.05)
     p.add_argument("--rounds", type=int, default=2, help="interleaved repetitions; the best of each is reported")
     p.add_argument("--contenders", default="ftctl-packed,ftctl-padded,trl")
     p.add_argument("--json", help="also write the results here")
@@ -327,7 +325,7 @@ def main() -> None:
         "model_dir": resolve_model(args.model, work), "data": str(data), "cache_dir": str(work / "cache"),
         "work": str(work), "seq_len": args.seq_len, "micro": args.micro, "global": args.global_batch,
         "steps": args.steps, "warmup": args.warmup, "lr": 2e-4, "seed": 0,
-        "lora_r": 16, "lora_alpha": 32, "lora_dropout": 0.05,
+        "lora_r": args.lora_r, "lora_alpha": 2 * args.lora_r, "lora_dropout": args.lora_dropout,
     }
     contenders = {
         "ftctl-packed": ("ftctl", {"packing": True}),
@@ -336,7 +334,8 @@ def main() -> None:
     }
     chosen = [c.strip() for c in args.contenders.split(",")]
     print(f"model {settings['model_dir']}; {args.steps} measured steps (+{args.warmup} warmup) of {args.global_batch} "
-          f"examples (micro {args.micro}), max_seq_len {args.seq_len}, LoRA r16 all-linear, fp32, {os.cpu_count()} CPUs")
+          f"examples (micro {args.micro}), max_seq_len {args.seq_len}, LoRA r{args.lora_r} alpha {2 * args.lora_r} dropout "
+          f"{args.lora_dropout:g} all-linear, fp32, {os.cpu_count()} CPUs")
     results = {name: [] for name in ["matmul"] + chosen}
     for round_no in range(args.rounds):
         print(f"round {round_no + 1}", flush=True)

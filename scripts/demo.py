@@ -65,6 +65,7 @@ def plot_loss(run_dir: Path) -> Path:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     train = [(r["step"], r["loss"]) for r in rows if "loss" in r]
@@ -73,6 +74,7 @@ def plot_loss(run_dir: Path) -> Path:
     ax.plot(*zip(*train), label="train loss", color="tab:blue")
     if evals:
         ax.plot(*zip(*evals), "o", label="held-out loss", color="tab:orange")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("cross-entropy per answer token")
     ax.set_yscale("log")
@@ -98,12 +100,14 @@ def show_examples(before: Path, after: Path, count: int = 2) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--run-dir", default="runs/demo", help="where the run, both evals and the plot go (replaced)")
-    parser.add_argument("--n", type=int, default=50, help="held-out examples to score")
+    parser.add_argument("--n", type=int, default=0, help="held-out examples to score (default: all 50)")
     parser.add_argument("--steps", type=int, default=None, help="training steps (default: the recipe's)")
     parser.add_argument("--max-new-tokens", type=int, default=40)
     args = parser.parse_args()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+    # Library deprecation notices (peft calling a renamed transformers method) are not the newcomer's business.
+    os.environ.setdefault("PYTHONWARNINGS", "ignore::FutureWarning")
     start = time.perf_counter()
     ensure_installed()
 
@@ -113,7 +117,7 @@ def main() -> None:
     if run_dir.exists():
         shutil.rmtree(run_dir)  # the demo's own dir: every demo starts clean
     before, after = run_dir / "eval-before", run_dir / "eval-after"
-    scoring = [f"recipe={RECIPE}", f"n={args.n}", f"max_new_tokens={args.max_new_tokens}"]
+    scoring = [f"recipe={RECIPE}", f"max_new_tokens={args.max_new_tokens}"] + ([f"n={args.n}"] if args.n else [])
     times = {}
     times["prepare"] = run(["models", "--prepare", MODEL], "1/4 the default model (converted from GGUF on first use)")
     times["eval before"] = run(["eval", *scoring, f"output={before}"], "2/4 score the base model on held-out requests")
@@ -127,7 +131,7 @@ def main() -> None:
     first, last = (json.loads((d / "eval.json").read_text()) for d in (before, after))
     show_examples(before, after)
     total = time.perf_counter() - start
-    print(f"\n  timings: " + ", ".join(f"{k} {v:.0f}s" for k, v in times.items()) + f"; total {total:.0f}s")
+    print("\n  timings: " + ", ".join(f"{k} {v:.0f}s" for k, v in times.items()) + f"; total {total:.0f}s")
     print(f"  run dir: {run_dir} (adapter in final/, loss curve {plot.name}, predictions in eval-*/)")
     print(f"demo: {first['metric']} before={first['score']:.2f} after={last['score']:.2f}")
 

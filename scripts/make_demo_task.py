@@ -20,7 +20,7 @@ from pathlib import Path
 
 OUT = Path(__file__).resolve().parent.parent / "data_formats" / "samples" / "demo"
 SEED = 20240611
-N_TRAIN, N_HELDOUT = 400, 100
+N_TRAIN, N_HELDOUT = 400, 50
 
 INSTRUCTION = "Extract the order as JSON with keys item (singular), quantity (a number), colour and city."
 ITEMS = [

@@ -7,6 +7,10 @@ from pathlib import Path
 
 import pytest
 
+# Tiny models gain nothing from intra-op threads, and on a busy 2-core machine OpenMP's spinning
+# threads make them many times slower; distributed tests start one single-threaded worker per core.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 
 @pytest.fixture(scope="session", autouse=True)
 def ftctl_home(tmp_path_factory) -> Path:

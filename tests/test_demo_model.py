@@ -247,3 +247,32 @@ def test_models_lists_the_default_model(capsys):
     assert any(line.startswith(DEFAULT_MODEL) for line in capsys.readouterr().out.splitlines())
     assert main(["models", "--prepare", "smollm2"]) == 1
     assert "Did you mean 'smollm2-135m-instruct'" in capsys.readouterr().err
+
+
+def test_processes_resolving_an_unbuilt_alias_together_build_it_once(tmp_path, monkeypatch):
+    import threading
+    import time
+
+    import torch
+    from safetensors.torch import save_file
+
+    from ftctl.models import aliases
+
+    monkeypatch.setenv("FTCTL_HOME", str(tmp_path))
+    builds = []
+
+    def slow_builder(out: Path) -> None:
+        builds.append(out)
+        time.sleep(0.3)
+        (out / "config.json").write_text("{}")
+        (out / "tokenizer_config.json").write_text("{}")
+        save_file({"w": torch.zeros(4)}, str(out / "model.safetensors"))
+
+    monkeypatch.setitem(aliases._BUILDERS, "test-slow", slow_builder)
+    results = []
+    threads = [threading.Thread(target=lambda: results.append(resolve_alias("test-slow"))) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(builds) == 1 and results == [tmp_path / "models" / "test-slow"] * 3

@@ -3,6 +3,8 @@ and agreement with the measured memory of real training runs."""
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import json
 import os
 import subprocess
@@ -19,8 +21,17 @@ from ftctl.estimate import estimate_for
 LLAMA2_7B_PARAMETERS = 6_738_415_616  # as published for meta-llama/Llama-2-7b-hf
 
 
-def _estimate(*overrides):
-    return estimate_for(compose_config(list(overrides)))
+@functools.lru_cache(maxsize=None)
+def _compose(*overrides):
+    return compose_config(list(overrides))
+
+
+def _estimate(*overrides, **parallel):
+    """The estimate for a composed config, with parallel.* fields replaced (composing is the slow part)."""
+    cfg = _compose(*overrides)
+    if parallel:
+        cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, **parallel))
+    return estimate_for(cfg)
 
 
 def test_7b_full_fp32_adam_classic_figures():
@@ -41,10 +52,9 @@ def test_7b_full_fp32_adam_classic_figures():
 @pytest.mark.parametrize("method", ["full", "lora"])
 def test_backends_divide_exactly_what_they_shard(backend, sharded, method):
     """Against the same backend on one rank: each part it shards is divided by N exactly, the others are unchanged."""
-    common = ["recipe=llama7b_full", f"method={method}", f"parallel={backend}", "precision=bf16",
-              "parallel.zero3_persistence_threshold=0", "train.global_batch_size=64"]
-    one = _estimate(*common, "parallel.nproc_per_node=1")
-    eight = _estimate(*common, "parallel.nproc_per_node=8")
+    common = ("recipe=llama7b_full", f"method={method}", "precision=bf16", "parallel.zero3_persistence_threshold=0")
+    one = _estimate(*common, name=backend, nproc_per_node=1)
+    eight = _estimate(*common, name=backend, nproc_per_node=8)
     for part in ("weights", "gradients", "optimizer"):
         expected = getattr(one, f"{part}_bytes") / 8 if part in sharded else getattr(one, f"{part}_bytes")
         assert getattr(eight, f"{part}_bytes") == pytest.approx(expected, abs=1), part

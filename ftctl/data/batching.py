@@ -178,7 +178,3 @@ class Batching:
                 out.append(collate(examples, self.pad_token_id, self.pad_to_multiple_of))
         return out
 
-
-def micro_batches(dataset, indices: Sequence[int], micro_batch_size: int, pad_token_id: int, pad_to_multiple_of: int):
-    """Padded micro-batches (see :class:`Batching` for packed ones)."""
-    return Batching(micro_batch_size, pad_token_id, pad_to_multiple_of)(dataset, indices)

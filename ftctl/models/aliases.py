@@ -7,8 +7,9 @@ deleted file gives a message saying how to rebuild rather than an obscure loadin
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
-import os
 import shutil
 import struct
 from pathlib import Path
@@ -49,32 +50,50 @@ def rebuild_hint(name: str) -> str:
 
 
 def resolve_alias(name: str, *, rebuild: bool = False) -> Path:
-    """The local dir of an alias, building it on first use (atomically: a half-built dir is never used)."""
+    """The local dir of an alias, building it on first use (atomically: a half-built dir is never used).
+
+    Builders take a lock, so processes started together (the ranks of one run) build once and the
+    others wait for that build.
+    """
     target = alias_dir(name)
     if target.exists() and not rebuild:
-        problems = model_dir_problems(target)
-        if problems:
-            raise FtctlError(f"the cached model {target} is incomplete or corrupt ({problems[0]}); {rebuild_hint(name)}")
-        return target
-    # One staging dir per process, so two processes building the same alias do not delete each other's work.
-    staging = target.with_name(f".{target.name}.partial-{os.getpid()}")
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
-    try:
-        _BUILDERS[name](staging)
-        problems = model_dir_problems(staging)
-        if problems:
-            raise FtctlError(f"building model alias {name} produced an unusable dir: {problems[0]}")
-    except BaseException:
+        return _checked(name, target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with _exclusive(target.with_name(f".{target.name}.lock")):
+        if target.exists() and not rebuild:
+            return _checked(name, target)
+        staging = target.with_name(f".{target.name}.partial")
         shutil.rmtree(staging, ignore_errors=True)
-        raise
-    if target.exists() and (rebuild or model_dir_problems(target)):
-        shutil.rmtree(target)
-    if target.exists():  # another process finished first; its copy is as good as ours
-        shutil.rmtree(staging, ignore_errors=True)
-    else:
+        staging.mkdir()
+        try:
+            _BUILDERS[name](staging)
+            problems = model_dir_problems(staging)
+            if problems:
+                raise FtctlError(f"building model alias {name} produced an unusable dir: {problems[0]}")
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+        if target.exists():
+            shutil.rmtree(target)
         staging.rename(target)
     return target
+
+
+def _checked(name: str, target: Path) -> Path:
+    problems = model_dir_problems(target)
+    if problems:
+        raise FtctlError(f"the cached model {target} is incomplete or corrupt ({problems[0]}); {rebuild_hint(name)}")
+    return target
+
+
+@contextlib.contextmanager
+def _exclusive(lock_path: Path):
+    with open(lock_path, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def model_dir_problems(path: Path) -> List[str]:

@@ -24,6 +24,7 @@ class Engine:
 
     module: torch.nn.Module
     optimizer: torch.optim.Optimizer
+    skipped_steps: int = 0  # steps whose update was not applied (fp16 overflow, non-finite gradients)
 
     def accumulating(self, last_micro_batch: bool):
         """Context for one micro-batch's forward and backward; gradient sync happens on the last."""
@@ -45,6 +46,11 @@ class Engine:
 
     def loss_scale(self) -> Optional[float]:
         return None
+
+    def scaler_metrics(self) -> dict:
+        """The loss scale and the number of skipped (overflow) steps, for metrics; empty without a scaler."""
+        scale = self.loss_scale()
+        return {} if scale is None else {"loss_scale": scale, "skipped_steps": self.skipped_steps}
 
     def save_training_state(self, ckpt_dir: Path, rank: int) -> None:
         """Write optimizer and scaler state into a checkpoint dir; collective, every rank calls it."""
@@ -93,6 +99,7 @@ class TorchEngine(Engine):
         else:
             skipped = True  # a NaN/inf update would destroy the weights; the runner decides whether to go on
         self.optimizer.zero_grad(set_to_none=True)
+        self.skipped_steps += skipped
         return StepResult(float(norm), skipped)
 
     def loss_scale(self):

@@ -112,7 +112,9 @@ class DeepSpeedZeroEngine(Engine):
         self.ds.step()
         norm = self.ds.get_global_grad_norm()
         norm = float(norm) if norm is not None else float("nan")
-        return StepResult(norm, not self.ds.was_step_applied())
+        skipped = not self.ds.was_step_applied()
+        self.skipped_steps += skipped
+        return StepResult(norm, skipped)
 
     def loss_scale(self) -> Optional[float]:
         return float(self.optimizer.cur_scale) if self.fp16 else None

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import logging
+import math
 import signal
+from dataclasses import dataclass
+from typing import Callable, Optional
 
 import torch
 
@@ -19,6 +23,36 @@ class NonFiniteTraining(FtctlError):
         super().__init__(
             f"step {step}: non-finite training (loss {loss}, gradient norm {grad_norm}); {kept}. Lower train.lr, "
             "use precision=fp32, or allow skipping with train.max_nonfinite_steps=N"
+        )
+
+
+@dataclass
+class StepOutcome:
+    loss: float  # mean token loss of the global batch
+    grad_norm: float
+    skipped: bool  # the engine applied no update
+    global_tokens: int
+
+
+class NonFiniteGuard:
+    """Counts steps whose loss or gradients are NaN/inf and stops the run past the allowed number.
+
+    The engines never apply such an update, so when the guard stops the run the weights are still
+    the last good ones, and ``keep_last_good`` saves them. fp16 overflows are the scaler's business.
+    """
+
+    def __init__(self, allowed: int, scaler_handles_overflow: bool):
+        self.allowed, self.scaler_handles_overflow, self.seen = allowed, scaler_handles_overflow, 0
+
+    def check(self, step: int, outcome: StepOutcome, keep_last_good: Callable[[], Optional[object]]) -> None:
+        bad_grads = not self.scaler_handles_overflow and not math.isfinite(outcome.grad_norm)
+        if math.isfinite(outcome.loss) and not bad_grads:
+            return
+        self.seen += 1
+        if self.seen > self.allowed:
+            raise NonFiniteTraining(step, outcome.loss, outcome.grad_norm, keep_last_good())
+        logging.getLogger("ftctl").warning(
+            "step %d: non-finite loss or gradients; update skipped (%d of %d allowed)", step, self.seen, self.allowed
         )
 
 

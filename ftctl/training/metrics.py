@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import sys
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -58,6 +59,41 @@ class MetricsLogger:
             self._tb.close()
         if self._file is not None:
             self._file.close()
+
+
+class ThroughputWindow:
+    """Token counts since the last metrics line, summed over ranks, turned into rates and waste shares."""
+
+    def __init__(self):
+        import torch
+
+        self._torch = torch
+        self._reset()
+
+    def _reset(self):
+        self.counts = self._torch.zeros(3, dtype=self._torch.float64)  # real, trained, computed positions
+        self.start = time.perf_counter()
+
+    def add(self, batches, global_tokens: int, backend) -> None:
+        real, positions = backend.all_reduce_sum(
+            self._torch.tensor([sum(b.real_tokens for b in batches), sum(b.positions for b in batches)], dtype=self._torch.float64)
+        ).tolist()
+        self.counts += self._torch.tensor([real, float(global_tokens), positions], dtype=self._torch.float64)
+        self.last_global_tokens = global_tokens
+
+    def take(self) -> dict:
+        elapsed = max(time.perf_counter() - self.start, 1e-9)
+        real, trained, positions = self.counts.tolist()
+        out = {
+            "tokens_per_s": real / elapsed,
+            "trained_tokens_per_s": trained / elapsed,
+            # Shares of the computed positions: padding, and everything without a trained label.
+            "padding_waste": 1.0 - real / positions,
+            "non_trained_share": 1.0 - trained / positions,
+            "trained_tokens": int(self.last_global_tokens),
+        }
+        self._reset()
+        return out
 
 
 def _plain(value):

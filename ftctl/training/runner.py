@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import random
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -27,9 +26,9 @@ from ftctl.models.loading import load_tokenizer, resolve_model_path
 from ftctl.parallel import create_backend
 from ftctl.precision import resolve_precision
 from ftctl.training.checkpoint import save_checkpoint
-from ftctl.training.interrupts import NonFiniteTraining, StopRequest, TrainingInterrupted
+from ftctl.training.interrupts import NonFiniteGuard, StepOutcome, StopRequest, TrainingInterrupted
 from ftctl.training.loss import token_loss_sum
-from ftctl.training.metrics import MetricsLogger
+from ftctl.training.metrics import MetricsLogger, ThroughputWindow
 from ftctl.training.optimizers import build_optimizer
 from ftctl.training.resume import restore_training_state, resume_checkpoint
 from ftctl.training.schedule import learning_rate
@@ -92,101 +91,78 @@ def _train(cfg: RunConfig, run_dir: Path, backend) -> TrainResult:
         )
 
     sampler = StepSampler(len(train_data), t.global_batch_size, cfg.seed, cfg.data.shuffle)
+    make_batches = Batching.from_config(cfg, tokenizer.pad_token_id)
     metrics = MetricsLogger(run_dir, t.max_steps, start_step, enabled=backend.is_main, tensorboard=t.tensorboard, progress_bar=t.progress_bar)
-    pad_id = tokenizer.pad_token_id
-    loss_value, eval_loss, skipped_steps, nonfinite_steps = float("nan"), None, 0, 0
-    checkpoint = lambda step: save_checkpoint(  # noqa: E731
-        run_dir, step, backend=backend, engine=engine, method=method, model=model, tokenizer=tokenizer,
-        extra={"loss": loss_value}, keep_last=t.keep_last,
-    )
-    make_batches = Batching.from_config(cfg, pad_id)
-    # real tokens, trained tokens, computed positions (padding included) since the last metrics line
-    window_counts, window_start = torch.zeros(3, dtype=torch.float64), time.perf_counter()
+    throughput = ThroughputWindow()
+    nonfinite = NonFiniteGuard(t.max_nonfinite_steps, precision.needs_scaler)
+    outcome, eval_loss = None, None
+
+    def checkpoint(step: int):
+        return save_checkpoint(run_dir, step, backend=backend, engine=engine, method=method, model=model,
+                               tokenizer=tokenizer, extra={"loss": outcome.loss if outcome else None}, keep_last=t.keep_last)
+
     engine.module.train()
-    stop = StopRequest().__enter__()
-    try:
-        for step in range(start_step, t.max_steps):
-            lr = learning_rate(step, t)
-            engine.set_lr(lr)
-            indices = sampler.rank_share(step, backend.rank, backend.world_size)
-            batches = make_batches(train_data, indices)
-            # Normalise by the trained tokens of the whole global batch, so the update does not depend
-            # on how the batch is split over micro-batches and ranks.
-            global_tokens = backend.all_reduce_sum(torch.tensor(float(sum(b.trained_tokens for b in batches))))
-            loss_sum = torch.zeros((), dtype=torch.float64)
-            for i, batch in enumerate(batches):
-                with engine.accumulating(last_micro_batch=i == len(batches) - 1):
-                    with precision.autocast():
-                        micro_loss = token_loss_sum(engine.module, batch, backend.device)
-                    # Data-parallel backends average gradients over ranks; the world size undoes that.
-                    engine.backward(micro_loss * backend.world_size / global_tokens.to(micro_loss.device))
-                loss_sum += micro_loss.detach().double().cpu()
-            result = engine.step(t.max_grad_norm)
-            skipped_steps += result.skipped
-            loss_value = float(backend.all_reduce_sum(loss_sum) / global_tokens)
-            if not np.isfinite(loss_value) or (not precision.needs_scaler and not np.isfinite(result.grad_norm)):
-                # The engine never applies a non-finite update, so the weights are still the last good ones.
-                nonfinite_steps += 1
-                if nonfinite_steps > t.max_nonfinite_steps:
-                    kept = checkpoint(step) if step > 0 else None
-                    raise NonFiniteTraining(step + 1, loss_value, result.grad_norm, kept)
-                log.warning("step %d: non-finite loss or gradients; update skipped (%d of %d allowed)",
-                            step + 1, nonfinite_steps, t.max_nonfinite_steps)
-            real, positions = backend.all_reduce_sum(
-                torch.tensor([sum(b.real_tokens for b in batches), sum(b.positions for b in batches)], dtype=torch.float64)
-            ).tolist()
-            window_counts += torch.tensor([real, float(global_tokens), positions], dtype=torch.float64)
-            done = step + 1
-            metrics.advance()
-            if done % t.log_every == 0 or done == t.max_steps:
-                elapsed = time.perf_counter() - window_start
-                entry = {
-                    "loss": loss_value,
-                    "lr": lr,
-                    "grad_norm": result.grad_norm,
-                    "tokens_per_s": float(window_counts[0]) / max(elapsed, 1e-9),
-                    "trained_tokens_per_s": float(window_counts[1]) / max(elapsed, 1e-9),
-                    # Shares of the computed positions: padding, and everything without a trained label.
-                    "padding_waste": 1.0 - float(window_counts[0] / window_counts[2]),
-                    "non_trained_share": 1.0 - float(window_counts[1] / window_counts[2]),
-                    "trained_tokens": int(global_tokens),
-                    "epoch": sampler.epoch(done),
-                }
-                if precision.needs_scaler:
-                    entry.update(loss_scale=engine.loss_scale(), skipped_steps=skipped_steps)
-                metrics.log(done, entry)
-                window_counts, window_start = torch.zeros(3, dtype=torch.float64), time.perf_counter()
-            if eval_data is not None and ((t.eval_every and done % t.eval_every == 0) or done == t.max_steps):
-                eval_loss = evaluate(engine, eval_data, cfg, backend, precision, pad_id)
-                metrics.log(done, {"eval_loss": eval_loss})
-            if t.save_every and done % t.save_every == 0 and done < t.max_steps:
-                checkpoint(done)
-            if stop.requested(backend):
-                kept = checkpoint(done)
-                raise TrainingInterrupted(
-                    f"{stop.signal_name} at step {done}: checkpoint saved to {kept}; continue with the same command "
-                    f"plus resume=auto (output_dir={run_dir})"
-                )
-    finally:
-        metrics.close()
-        stop.__exit__()
+    with StopRequest() as stop:
+        try:
+            for step in range(start_step, t.max_steps):
+                lr = learning_rate(step, t)
+                engine.set_lr(lr)
+                batches = make_batches(train_data, sampler.rank_share(step, backend.rank, backend.world_size))
+                outcome = train_step(engine, batches, backend, precision, t.max_grad_norm)
+                nonfinite.check(step + 1, outcome, keep_last_good=lambda: checkpoint(step) if step > 0 else None)
+                throughput.add(batches, outcome.global_tokens, backend)
+                done = step + 1
+                metrics.advance()
+                if done % t.log_every == 0 or done == t.max_steps:
+                    metrics.log(done, {"loss": outcome.loss, "lr": lr, "grad_norm": outcome.grad_norm,
+                                       **throughput.take(), "epoch": sampler.epoch(done), **engine.scaler_metrics()})
+                if eval_data is not None and ((t.eval_every and done % t.eval_every == 0) or done == t.max_steps):
+                    eval_loss = evaluate(engine, eval_data, make_batches, backend, precision)
+                    metrics.log(done, {"eval_loss": eval_loss})
+                if t.save_every and done % t.save_every == 0 and done < t.max_steps:
+                    checkpoint(done)
+                if stop.requested(backend):
+                    raise TrainingInterrupted(
+                        f"{stop.signal_name} at step {done}: checkpoint saved to {checkpoint(done)}; continue with "
+                        f"the same command plus resume=auto (output_dir={run_dir})"
+                    )
+        finally:
+            metrics.close()
 
     final_dir = run_dir / "final"
     state = engine.gathered_state_dict()
     if backend.is_main:
         method.save(model, tokenizer, final_dir, state_dict=method.trainable_state_dict(model, state))
-        log.info("saved %s result to %s (final loss %.4f)", method.name, final_dir, loss_value)
+        log.info("saved %s result to %s (final loss %.4f)", method.name, final_dir, outcome.loss)
     backend.barrier()
-    return TrainResult(run_dir, final_dir, t.max_steps, loss_value, eval_loss, model)
+    return TrainResult(run_dir, final_dir, t.max_steps, outcome.loss, eval_loss, model)
+
+
+def train_step(engine, batches, backend, precision, max_grad_norm: float) -> StepOutcome:
+    """One optimizer step over this rank's micro-batches; the loss is the global batch's mean token loss."""
+    # Normalise by the trained tokens of the whole global batch, so the update does not depend on
+    # how the batch is split over micro-batches and ranks.
+    global_tokens = backend.all_reduce_sum(torch.tensor(float(sum(b.trained_tokens for b in batches))))
+    loss_sum = torch.zeros((), dtype=torch.float64)
+    for i, batch in enumerate(batches):
+        with engine.accumulating(last_micro_batch=i == len(batches) - 1):
+            with precision.autocast():
+                micro_loss = token_loss_sum(engine.module, batch, backend.device)
+            # Data-parallel backends average gradients over ranks; the world size undoes that.
+            engine.backward(micro_loss * backend.world_size / global_tokens.to(micro_loss.device))
+        loss_sum += micro_loss.detach().double().cpu()
+    result = engine.step(max_grad_norm)
+    loss = float(backend.all_reduce_sum(loss_sum) / global_tokens)
+    return StepOutcome(loss, result.grad_norm, result.skipped, int(global_tokens))
 
 
 @torch.no_grad()
-def evaluate(engine, eval_data, cfg: RunConfig, backend, precision, pad_id: int) -> float:
+def evaluate(engine, eval_data, make_batches, backend, precision) -> float:
     """Mean token loss over the whole eval split; ranks take interleaved examples and sum."""
     engine.module.eval()
     indices = list(range(backend.rank, len(eval_data), backend.world_size))
     total, tokens = torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.float64)
-    for batch in Batching.from_config(cfg, pad_id)(eval_data, indices):
+    for batch in make_batches(eval_data, indices):
         with precision.autocast():
             total += token_loss_sum(engine.module, batch, backend.device).double().cpu()
         tokens += batch.trained_tokens
