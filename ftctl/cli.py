@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import os
+import warnings
 import logging
 import sys
 from pathlib import Path
@@ -357,6 +359,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         parser.print_help()
         return 0 if args.command is None else 2
     setup_logging(debug=args.debug)
+    # ftctl reports its own progress; the libraries' per-file bars would bury it.
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    if not args.debug:  # deprecation notices between transformers and peft are not the user's to act on
+        warnings.filterwarnings("ignore", category=FutureWarning)
     try:
         return args.func(args)
     except FtctlError as exc:

@@ -306,20 +306,21 @@ def _small_parameter_bytes(arch: Architecture, cfg: RunConfig, weight_bytes, ada
 
 
 def layer_activation_elements(arch: Architecture, method: str, adapted: set, dropout: float, r: int,
-                              dora: bool, grad_reaches_input: bool) -> Tuple[float, float]:
-    """Elements per token one decoder layer keeps for backward: (fp32-stream elements, matmul outputs).
+                              dora: bool, grad_reaches_input: bool) -> Tuple[float, float, float]:
+    """What one decoder layer keeps for backward per token: (stream elements, matmul-output elements, mask bytes).
 
     Counted from what each op saves, as autograd does it (checked against saved-tensor hooks):
     each RMSNorm keeps its input and 1/rms, plus its normalised output when its weight trains; a
     linear layer keeps its input only when its weight trains (one copy for layers reading the same
-    tensor); a LoRA layer keeps its input for lora_A (with dropout, its own dropped copy and the
-    dropout noise instead) and lora_A's r outputs; sdpa keeps q, k, v, its output and the
-    log-sum-exp; the MLP keeps gate, SiLU(gate) and up.
+    tensor); a LoRA layer keeps its input for lora_A (with dropout, its own dropped copy and a
+    1-byte keep mask instead, see ftctl.methods.dropout) and lora_A's r outputs; sdpa keeps q, k,
+    v, its output and the log-sum-exp; the MLP keeps gate, SiLU(gate) and up.
     Returned apart because matmul outputs come in the compute dtype, the rest in the stream's.
     """
     h, a, kv, i, heads = arch.hidden, arch.attention_width, arch.kv_width, arch.intermediate, arch.heads
     full = method == "full"
     stream = 0.0  # residual stream, norms, dropout copies
+    masks = 0.0  # dropout keep masks, one byte per element
     matmul = 2 * a + 2 * kv + heads + 3 * i  # attention q, k, v, out, lse; gate, act, up
     stream += (h + 1) * (2 if grad_reaches_input else 1)  # norm inputs and 1/rms (layer 0 of an adapter: norm 2 only)
     if full:
@@ -337,9 +338,10 @@ def layer_activation_elements(arch: Architecture, method: str, adapted: set, dro
                 keeps_shared = True
             elif name in adapted:
                 if dropout > 0:
-                    copies = 2 if grad_reaches_input or group != "attn_in" else 1  # no noise kept without an input grad
-                    stream += copies * width if kind == "stream" else 0
-                    matmul += copies * width if kind == "matmul" else 0
+                    stream += width if kind == "stream" else 0
+                    matmul += width if kind == "matmul" else 0
+                    if grad_reaches_input or group != "attn_in":  # the mask serves the input's gradient only
+                        masks += width
                 else:
                     keeps_shared = True
                 matmul += r
@@ -351,7 +353,7 @@ def layer_activation_elements(arch: Architecture, method: str, adapted: set, dro
                 stream += width
             else:
                 matmul += width
-    return stream, matmul
+    return stream, matmul, masks
 
 
 def activation_bytes(arch: Architecture, cfg: RunConfig, adapted: set, tokens: int, stream_dtype: int,
@@ -361,13 +363,13 @@ def activation_bytes(arch: Architecture, cfg: RunConfig, adapted: set, tokens: i
     notes: List[str] = []
     dora = m.name != "full" and (m.use_dora or m.name == "dora")
     args = (arch, m.name, adapted, m.dropout, m.r, dora)
-    stream, matmul = layer_activation_elements(*args, grad_reaches_input=True)
-    per_layer = tokens * (stream_dtype * stream + matmul_dtype * matmul)
+    stream, matmul, masks = layer_activation_elements(*args, grad_reaches_input=True)
+    per_layer = tokens * (stream_dtype * stream + matmul_dtype * matmul + masks)
     if m.name == "full":
         layers = arch.layers * per_layer
     else:  # the frozen embedding sends no gradient into the first layer
-        s0, m0 = layer_activation_elements(*args, grad_reaches_input=False)
-        layers = (arch.layers - 1) * per_layer + tokens * (stream_dtype * s0 + matmul_dtype * m0)
+        s0, m0, masks0 = layer_activation_elements(*args, grad_reaches_input=False)
+        layers = (arch.layers - 1) * per_layer + tokens * (stream_dtype * s0 + matmul_dtype * m0 + masks0)
     if dora:
         notes.append("dora: activations approximate (DoRA's weight-norm terms counted as one output per layer)")
 

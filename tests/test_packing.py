@@ -1,4 +1,6 @@
-"""Packing (data.packing) and the chunked loss: same examples, same loss, less padding, no full logits."""
+"""Throughput work that must not change what is trained: packing (data.packing) gives the same loss with
+less padding, the chunked head loss gives the same loss and gradients without full logits, and the
+CPU dropout of LoRA layers draws the same masks' distribution with fewer random numbers."""
 
 from __future__ import annotations
 
@@ -156,3 +158,39 @@ def test_packed_run_trains_like_unpacked_with_less_padding(make_cfg, run_trainin
         assert 0.0 <= b["padding_waste"] < a["padding_waste"] < 1.0
         assert a["non_trained_share"] > a["padding_waste"]  # prompts are untrained too
         assert b["trained_tokens_per_s"] > 0
+
+
+def test_bits_dropout_is_dropout_with_a_byte_mask():
+    import torch
+
+    from ftctl.methods.dropout import BitsDropout, use_bits_dropout
+
+    torch.manual_seed(0)
+    dropout = BitsDropout(0.1).train()
+    x = torch.randn(512, 1024, requires_grad=True)
+    y = dropout(x)
+    kept = y != 0
+    assert float(kept.float().mean()) == pytest.approx(0.9, abs=0.003)  # 524k draws: 4 standard deviations
+    torch.testing.assert_close(y[kept], x[kept] / 0.9)
+    y.backward(torch.ones_like(y))
+    torch.testing.assert_close(x.grad, kept.float() / 0.9)
+    assert not torch.equal(kept, dropout(x) != 0)  # a fresh mask every call
+    torch.manual_seed(1)
+    first = dropout(x)
+    torch.manual_seed(1)
+    assert torch.equal(first, dropout(x))  # seeded like the rest of the run
+    assert dropout.eval()(x) is x and BitsDropout(0.0).train()(x) is x
+    # What autograd keeps for backward: a 1-byte mask, where nn.Dropout keeps fp32 noise.
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        BitsDropout(0.1).train()(x)
+    assert [t.dtype for t in saved] == [torch.bool]
+
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1)
+    model = get_peft_model(LlamaForCausalLM(config), LoraConfig(r=2, lora_dropout=0.05, target_modules="all-linear"))
+    assert use_bits_dropout(model) == 7
+    assert all(isinstance(d, BitsDropout) for m in model.modules() if hasattr(m, "lora_dropout") for d in m.lora_dropout.values())

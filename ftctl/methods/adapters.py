@@ -16,6 +16,7 @@ from typing import List, Optional, Union
 import torch
 
 from ftctl.methods.base import Method
+from ftctl.methods.dropout import use_bits_dropout
 from ftctl.models.loading import load_causal_lm
 
 ADAPTER_INFO_FILE = "ftctl_adapter.json"
@@ -72,6 +73,7 @@ class AdapterMethod(Method):
         for param in model.parameters():
             if param.requires_grad and param.dtype != torch.float32:
                 param.data = param.data.float()
+        use_bits_dropout(model)  # same dropout, without torch's slow per-element CPU random numbers
         return model
 
     def trainable_state_dict(self, model, full_state):
