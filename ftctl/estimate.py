@@ -31,7 +31,7 @@ import json
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Tuple
 
 from ftctl.config.schema import RunConfig
 from ftctl.errors import ConfigError

@@ -270,9 +270,14 @@ def resolve_model(name: str, work: Path) -> str:
             build_tiny_llama(out, num_layers=8, hidden_size=512, num_heads=8, num_kv_heads=4, intermediate_size=1536,
                              vocab_size=4096, max_position_embeddings=2048)
         return str(out)
+    from ftctl.errors import FtctlError
     from ftctl.models.loading import resolve_model_path
 
-    return resolve_model_path(name)
+    try:
+        return resolve_model_path(name)
+    except FtctlError as exc:
+        print(f"model {name} is not available ({exc}); using a local random Llama instead", flush=True)
+        return resolve_model("tiny", work)
 
 
 def spawn(kind: str, settings: dict, label: str) -> dict:
