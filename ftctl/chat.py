@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Dict, List, Optional, TextIO
 
 from ftctl.errors import FtctlError
+from ftctl.options import number_option
 
 Messages = List[Dict[str, str]]
 
@@ -53,25 +54,12 @@ class Decoding:
         return {"temperature": self.temperature, "top_p": self.top_p, "seed": self.seed}
 
 
-def _number(options: Dict[str, str], key: str, kind, default, low, high=None):
-    raw = options.get(key)
-    if raw is None:
-        return default
-    try:
-        value = kind(raw)
-    except ValueError:
-        raise FtctlError(f"{key}={raw}: expected {'an integer' if kind is int else 'a number'}") from None
-    if value < low or (high is not None and value > high):
-        raise FtctlError(f"{key}={raw}: must be {f'between {low} and {high}' if high is not None else f'at least {low}'}")
-    return value
-
-
 def decoding_from_options(options: Dict[str, str]) -> Decoding:
     decoding = Decoding(
-        max_new_tokens=_number(options, "max_new_tokens", int, 256, 1),
-        temperature=_number(options, "temperature", float, 0.0, 0.0),
-        top_p=_number(options, "top_p", float, 1.0, 0.0, 1.0),
-        seed=_number(options, "seed", int, 0, 0),
+        max_new_tokens=number_option(options, "max_new_tokens", int, 256, 1),
+        temperature=number_option(options, "temperature", float, 0.0, 0.0),
+        top_p=number_option(options, "top_p", float, 1.0, 0.0, 1.0),
+        seed=number_option(options, "seed", int, 0, 0),
     )
     if decoding.top_p == 0:
         raise FtctlError("top_p=0 keeps no token; use a value above 0 (or temperature=0 for greedy decoding)")
@@ -225,7 +213,7 @@ def run_generate(options: Dict[str, str]) -> dict:
     if output.is_dir() or (output.exists() and overwrite != "true"):
         raise FtctlError(f"output={output} exists; choose another file or pass overwrite=true")
     decoding = decoding_from_options(options)
-    batch_size = _number(options, "batch_size", int, 16, 1)
+    batch_size = number_option(options, "batch_size", int, 16, 1)
     items = read_prompts(options["input"], options.get("data.format"), options.get("system"))
     model, tokenizer = load_chat_model(options)
 

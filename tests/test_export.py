@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from ftctl.errors import FtctlError
+from logit_checks import fp32_model, logits
 
 SHORT_RUN = ("train.max_steps=3", "train.global_batch_size=4", "train.warmup_steps=0", "train.lr=1e-2")
 
@@ -34,21 +35,6 @@ TEST_STRINGS = [
     "<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\n",
     "<pad><|endoftext|> specials inside text <|im_end|>",
 ]
-
-
-def sample_ids(vocab: int = 500):
-    return torch.randint(0, vocab, (2, 24), generator=torch.Generator().manual_seed(0))
-
-
-@torch.no_grad()
-def logits(model):
-    return model.eval()(input_ids=sample_ids()).logits.float()
-
-
-def hf_model(path):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
 
 
 def gguf_model(path: Path):
@@ -105,7 +91,7 @@ def exported(distinctive_model_dir, tmp_path_factory):
 @pytest.mark.parametrize("quant", ["f32", "f16", "bf16", "q8_0"])
 def test_gguf_round_trip_logits(quant, exported, distinctive_model_dir, record_property):
     path = exported(quant)
-    difference = float((logits(gguf_model(path)) - logits(hf_model(distinctive_model_dir))).abs().max())
+    difference = float((logits(gguf_model(path)) - logits(fp32_model(distinctive_model_dir))).abs().max())
     print(f"GGUF {quant}: max |logit diff| vs source {difference:.2e}")
     record_property(f"gguf_{quant}_max_logit_diff", difference)
     assert difference <= LOGIT_TOLERANCE[quant]
@@ -130,7 +116,7 @@ def test_gguf_without_the_rotary_permutation_would_not_match(distinctive_model_d
 
     monkeypatch.setattr("ftctl.export.gguf_writer.interleave_rotary_rows", lambda weight, n_head: weight)
     path = export_model(ExportRequest(model=str(distinctive_model_dir), format="gguf", output=str(tmp_path / "m.gguf"), quant="f32"))
-    assert (logits(gguf_model(path)) - logits(hf_model(distinctive_model_dir))).abs().max() > 1e-2
+    assert (logits(gguf_model(path)) - logits(fp32_model(distinctive_model_dir))).abs().max() > 1e-2
 
 
 def test_gguf_tokenizer_gives_the_source_ids(exported, distinctive_model_dir):
@@ -227,7 +213,7 @@ def test_hf_export_is_sharded_and_loads_with_plain_transformers(tiny_model_dir, 
     assert len(shards) >= 3 and all((out / s).stat().st_size <= 140_000 for s in shards)  # one tensor may exceed the limit alone
     assert {"config.json", "generation_config.json", "tokenizer.json", "chat_template.jinja"} <= {p.name for p in out.iterdir()}
     assert model_dir_problems(out) == []
-    assert (logits(hf_model(out)) - logits(hf_model(tiny_model_dir))).abs().max() <= 1e-6
+    assert (logits(fp32_model(out)) - logits(fp32_model(tiny_model_dir))).abs().max() <= 1e-6
     loaded, source = AutoTokenizer.from_pretrained(out), AutoTokenizer.from_pretrained(tiny_model_dir)
     assert loaded.chat_template == source.chat_template and [loaded.encode(t) for t in TEST_STRINGS] == [source.encode(t) for t in TEST_STRINGS]
 
@@ -244,8 +230,8 @@ def test_export_merges_an_adapter_on_the_way(make_cfg, run_training, tiny_model_
     from ftctl.cli import main
 
     result, _ = run_training(make_cfg("method=lora", *SHORT_RUN))
-    expected = logits(PeftModel.from_pretrained(hf_model(tiny_model_dir), str(result.final_dir)))
-    assert (expected - logits(hf_model(tiny_model_dir))).abs().max() > 1e-3, "the adapter changed the model"
+    expected = logits(PeftModel.from_pretrained(fp32_model(tiny_model_dir), str(result.final_dir)))
+    assert (expected - logits(fp32_model(tiny_model_dir))).abs().max() > 1e-3, "the adapter changed the model"
 
     gguf_file = tmp_path / "run.gguf"
     assert main(["export", f"model={result.run_dir}", "format=gguf", "gguf.quant=f32", f"output={gguf_file}"]) == 0
@@ -256,7 +242,7 @@ def test_export_merges_an_adapter_on_the_way(make_cfg, run_training, tiny_model_
 
     checkpoint_out = tmp_path / "hf"
     assert main(["export", f"model={result.final_dir}", "format=hf", f"output={checkpoint_out}"]) == 0
-    assert (logits(hf_model(checkpoint_out)) - expected).abs().max() <= 1e-4
+    assert (logits(fp32_model(checkpoint_out)) - expected).abs().max() <= 1e-4
     assert not any(p.name.startswith("adapter_") for p in checkpoint_out.iterdir())
     assert "Traceback" not in capsys.readouterr().err
 

@@ -8,23 +8,9 @@ import shutil
 import pytest
 import torch
 from safetensors import safe_open
+from logit_checks import fp32_model, logits
 
 SHORT_RUN = ("train.max_steps=3", "train.global_batch_size=4", "train.warmup_steps=0", "train.lr=1e-2")
-
-
-def sample_ids(vocab: int = 500):
-    return torch.randint(0, vocab, (2, 24), generator=torch.Generator().manual_seed(0))
-
-
-@torch.no_grad()
-def logits(model):
-    return model.eval()(input_ids=sample_ids()).logits.float()
-
-
-def fp32_base(model_dir):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
 
 
 @torch.no_grad()
@@ -66,9 +52,9 @@ def test_merged_model_matches_the_adapter(overrides, make_cfg, run_training, tin
     out = merge(result.final_dir, tmp_path / "merged")
     assert_standalone(out)
     merged = logits(load_merged(out))
-    expected = adapter_logits(fp32_base(tiny_model_dir), result.final_dir)
+    expected = adapter_logits(fp32_model(tiny_model_dir), result.final_dir)
     assert (merged - expected).abs().max() <= 1e-4
-    assert (merged - logits(fp32_base(tiny_model_dir))).abs().max() > 1e-3, "the adapter changed the model"
+    assert (merged - logits(fp32_model(tiny_model_dir))).abs().max() > 1e-3, "the adapter changed the model"
     tokenizer = AutoTokenizer.from_pretrained(out)
     assert tokenizer.chat_template == AutoTokenizer.from_pretrained(result.final_dir).chat_template
     assert json.loads((out / "generation_config.json").read_text())["pad_token_id"] == tokenizer.pad_token_id
@@ -84,10 +70,10 @@ def test_merge_takes_checkpoints_and_casts_to_the_requested_dtype(make_cfg, run_
     assert_standalone(out, dtype="BF16")
     merged = load_merged(out)
     assert merged.dtype == torch.bfloat16
-    expected = adapter_logits(fp32_base(tiny_model_dir), checkpoint)
+    expected = adapter_logits(fp32_model(tiny_model_dir), checkpoint)
     # The merge runs in fp32 and rounds once to bf16 (8 mantissa bits).
     assert (logits(merged.float()) - expected).abs().max() < 0.05
-    assert (expected - adapter_logits(fp32_base(tiny_model_dir), result.final_dir)).abs().max() > 1e-4, "step 2 is not final"
+    assert (expected - adapter_logits(fp32_model(tiny_model_dir), result.final_dir)).abs().max() > 1e-4, "step 2 is not final"
     assert "merged" in capsys.readouterr().out
 
     # The output now exists: refused unless overwrite=true, then replaced whole.
@@ -116,7 +102,7 @@ def test_qlora_merges_into_the_dequantised_base(make_cfg, run_training, tiny_mod
         return AutoModelForCausalLM.from_pretrained(tiny_model_dir, quantization_config=quant, dtype=torch.float32, device_map="cpu")
 
     # The reference: the fp32 base whose projections are replaced by their NF4 round trip.
-    quantized, dequantized = four_bit_base(), fp32_base(tiny_model_dir)
+    quantized, dequantized = four_bit_base(), fp32_model(tiny_model_dir)
     for name, module in quantized.named_modules():
         if isinstance(module, bnb.nn.Linear4bit):
             weight = bnbf.dequantize_4bit(module.weight.data, module.weight.quant_state).float()
@@ -124,7 +110,7 @@ def test_qlora_merges_into_the_dequantised_base(make_cfg, run_training, tiny_mod
     expected = adapter_logits(dequantized, result.final_dir)
     assert (merged - expected).abs().max() <= 1e-4
     vs_4bit = float((merged - adapter_logits(four_bit_base(), result.final_dir)).abs().max())
-    vs_original = float((merged - adapter_logits(fp32_base(tiny_model_dir), result.final_dir)).abs().max())
+    vs_original = float((merged - adapter_logits(fp32_model(tiny_model_dir), result.final_dir)).abs().max())
     print(f"QLoRA merged vs 4-bit adapter model: max |logit diff| {vs_4bit:.2e} (vs original-weights base {vs_original:.2e})")
     record_property("qlora_merged_vs_4bit_max_logit_diff", vs_4bit)
     assert vs_4bit < 1e-3
@@ -132,7 +118,7 @@ def test_qlora_merges_into_the_dequantised_base(make_cfg, run_training, tiny_mod
 
     # dequantize=False: the same adapter goes into the original full-precision weights instead.
     original = merge(result.final_dir, tmp_path / "merged-original", dequantize=False)
-    expected_original = adapter_logits(fp32_base(tiny_model_dir), result.final_dir)
+    expected_original = adapter_logits(fp32_model(tiny_model_dir), result.final_dir)
     assert (logits(load_merged(original)) - expected_original).abs().max() <= 1e-4
 
 

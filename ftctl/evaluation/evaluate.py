@@ -17,6 +17,7 @@ from typing import Dict, List, Optional, Tuple
 
 from data_formats import FormatError, get_format, guess_format
 from ftctl.errors import FtctlError
+from ftctl.options import number_option
 
 log = logging.getLogger("ftctl")
 
@@ -225,16 +226,7 @@ def request_from_overrides(overrides: List[str]) -> EvalRequest:
         raise ConfigError("say which held-out file to evaluate on: data.path=FILE")
 
     def integer(key: str, default: int, minimum: int) -> int:
-        raw = values.get(key)
-        if raw is None:
-            return default
-        try:
-            number = int(raw)
-        except ValueError:
-            raise ConfigError(f"{key}={raw}: expected an integer") from None
-        if number < minimum:
-            raise ConfigError(f"{key}={raw}: must be at least {minimum}")
-        return number
+        return number_option(values, key, int, default, minimum, error=ConfigError)
 
     return EvalRequest(
         data_path=get("data.path"),
