@@ -1,6 +1,8 @@
 """Throughput work that must not change what is trained: packing (data.packing) gives the same loss with
-less padding, the chunked head loss gives the same loss and gradients without full logits, and the
-CPU dropout of LoRA layers draws the same masks' distribution with fewer random numbers."""
+less padding, packed attention computes each example alone and matches the block-diagonal mask, the
+chunked head loss gives the same loss and gradients without full logits, the CPU dropout of LoRA
+layers draws the same masks' distribution with fewer random numbers, and the fused LoRA forward
+computes what peft's does."""
 
 from __future__ import annotations
 
@@ -184,7 +186,7 @@ def test_bits_dropout_is_dropout_with_a_byte_mask():
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
         BitsDropout(0.1).train()(x)
-    assert [t.dtype for t in saved] == [torch.bool]
+    assert [t.dtype for t in saved] == [torch.uint8]
 
     from peft import LoraConfig, get_peft_model
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -194,3 +196,148 @@ def test_bits_dropout_is_dropout_with_a_byte_mask():
     model = get_peft_model(LlamaForCausalLM(config), LoraConfig(r=2, lora_dropout=0.05, target_modules="all-linear"))
     assert use_bits_dropout(model) == 7
     assert all(isinstance(d, BitsDropout) for m in model.modules() if hasattr(m, "lora_dropout") for d in m.lora_dropout.values())
+
+
+def _packed_batch(seed=4):
+    rng = np.random.default_rng(seed)
+    examples = [_example(rng, n, p) for n, p in ((30, 10), (17, 3), (45, 20), (9, 2), (22, 5))]
+    batch = pack_examples(examples, row_len=64, pad_token_id=0)
+    assert batch.input_ids.shape[0] == 2 and batch.positions > batch.real_tokens  # two rows, padded tails
+    return batch
+
+
+def test_packed_attention_matches_the_block_diagonal_mask(tiny_model_dir, monkeypatch):
+    """Per-example causal SDPA (one call per example and per padded tail) gives the loss and the
+    gradients of the block-diagonal mask over whole rows, on a model with grouped-query attention."""
+    import torch
+    import torch.nn.functional as F
+    from transformers import AutoModelForCausalLM
+
+    from ftctl.models import packed_attention
+    from ftctl.training.loss import token_loss_sum
+
+    batch = _packed_batch()
+    spans = len(batch.cu_seq_lens) - 1
+    assert batch.cu_seq_lens[-1] == batch.input_ids.numel() and spans == 7  # 5 examples + 2 tails
+    calls = []
+    real_sdpa = F.scaled_dot_product_attention
+    monkeypatch.setattr(packed_attention.F, "scaled_dot_product_attention",
+                        lambda *a, **k: calls.append(k) or real_sdpa(*a, **k))
+    results = []
+    for packed in (False, True):
+        calls.clear()
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32, attn_implementation="sdpa")
+        assert model.config.num_key_value_heads < model.config.num_attention_heads
+        if packed:
+            assert packed_attention.use_packed_attention(model)
+        loss = token_loss_sum(model, batch, torch.device("cpu"))
+        loss.backward()
+        results.append((loss.detach(), {n: p.grad for n, p in model.named_parameters()}))
+    assert len(calls) == spans * model.config.num_hidden_layers
+    assert all(k["is_causal"] and k["enable_gqa"] and "attn_mask" not in k for k in calls)
+    (masked_loss, masked_grads), (packed_loss, packed_grads) = results
+    torch.testing.assert_close(packed_loss, masked_loss, rtol=1e-5, atol=1e-5)
+    for name, grad in masked_grads.items():
+        torch.testing.assert_close(packed_grads[name], grad, rtol=1e-4, atol=1e-5, msg=name)
+    # Padded batches (no boundaries) still take the masked SDPA path.
+    calls.clear()
+    rng = np.random.default_rng(5)
+    padded = collate([_example(rng, n, 2) for n in (12, 20)], 0)
+    with torch.no_grad():
+        token_loss_sum(model, padded, torch.device("cpu"))
+    assert len(calls) == model.config.num_hidden_layers and all(k["attn_mask"] is not None for k in calls)
+
+
+def test_packed_attention_rejects_boundaries_that_cross_rows():
+    import torch
+
+    from ftctl.models.packed_attention import example_spans
+
+    assert example_spans(torch.tensor([0, 3, 8, 10, 16]), rows=2, row_len=8) == [(0, 0, 3), (0, 3, 8), (1, 0, 2), (1, 2, 8)]
+    with pytest.raises(ValueError, match="spans rows"):
+        example_spans(torch.tensor([0, 6, 12, 16]), rows=2, row_len=8)
+    with pytest.raises(ValueError, match="do not cover"):
+        example_spans(torch.tensor([0, 6, 8]), rows=2, row_len=8)
+
+
+def test_packed_attention_is_only_swapped_in_for_sdpa(tiny_model_dir):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from ftctl.models.packed_attention import PACKED_SDPA, use_packed_attention
+
+    eager = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32, attn_implementation="eager")
+    assert not use_packed_attention(eager) and eager.config._attn_implementation == "eager"
+    sdpa = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32, attn_implementation="sdpa")
+    assert use_packed_attention(sdpa) and sdpa.config._attn_implementation == PACKED_SDPA
+
+
+def _lora_model(tiny_model_dir, dropout, fused):
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from ftctl.methods.dropout import use_bits_dropout
+    from ftctl.methods.fused_lora import use_fused_lora_forward
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    model.requires_grad_(False)
+    config = LoraConfig(r=4, lora_alpha=8, lora_dropout=dropout, target_modules="all-linear", init_lora_weights=False)
+    model = get_peft_model(model, config)
+    use_bits_dropout(model)
+    if fused:
+        assert use_fused_lora_forward(model) == 7 * model.config.num_hidden_layers
+    return model
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_fused_lora_forward_computes_what_peft_does(tiny_model_dir, dropout):
+    """Same outputs and adapter gradients as peft's forward, dropout masks included (same random draws)."""
+    import torch
+
+    from ftctl.training.loss import token_loss_sum
+
+    batch = _packed_batch()
+    results = []
+    for fused in (False, True):
+        model = _lora_model(tiny_model_dir, dropout, fused).train()
+        torch.manual_seed(1)
+        loss = token_loss_sum(model, batch, torch.device("cpu"))
+        loss.backward()
+        results.append((loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.requires_grad}))
+    (peft_loss, peft_grads), (fused_loss, fused_grads) = results
+    torch.testing.assert_close(fused_loss, peft_loss, rtol=1e-5, atol=1e-5)
+    assert peft_grads.keys() == fused_grads.keys() and len(peft_grads) == 2 * 7 * 2
+    for name, grad in peft_grads.items():
+        torch.testing.assert_close(fused_grads[name], grad, rtol=1e-4, atol=1e-5 * float(grad.abs().max()), msg=name)
+
+
+def test_fused_lora_forward_defers_to_peft_outside_the_plain_state(tiny_model_dir):
+    """Disabled or merged adapters take peft's own forward; a dropped input is rebuilt in backward, not kept."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = _lora_model(tiny_model_dir, 0.1, fused=True)
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    ids = torch.randint(3, 500, (2, 16))
+    model.eval()
+    with torch.no_grad():
+        adapted = model(input_ids=ids).logits
+        with model.disable_adapter():
+            torch.testing.assert_close(model(input_ids=ids).logits, base(input_ids=ids).logits)
+        model.merge_adapter()
+        torch.testing.assert_close(model(input_ids=ids).logits, adapted, rtol=1e-4, atol=1e-5)
+        model.unmerge_adapter()
+        torch.testing.assert_close(model(input_ids=ids).logits, adapted)
+    assert not torch.allclose(adapted, base(input_ids=ids).logits)
+
+    layer = model.get_base_model().model.layers[1].self_attn.q_proj
+    layer.train()
+    x = torch.randn(2, 16, layer.in_features, requires_grad=True)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        layer(x)
+    assert any(t is x for t in saved) and torch.int16 in {t.dtype for t in saved}
+    assert not any(t.shape == x.shape and t.dtype == torch.float32 and t is not x for t in saved)

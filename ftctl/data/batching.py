@@ -57,6 +57,10 @@ class MicroBatch:
     real_tokens: int
     position_ids: Optional["torch.Tensor"] = None  # noqa: F821  restart at 0 at every packed example
     positions: int = 0  # rows × width: every position the model computes, padding included
+    # Packed only: where each example (and each row's padded tail) starts and ends in the flattened
+    # rows, as varlen attention kernels take it (see ftctl.models.packed_attention).
+    cu_seq_lens: Optional["torch.Tensor"] = None  # noqa: F821
+    max_seq_len_in_batch: int = 0
 
     def model_inputs(self, device) -> Dict[str, "torch.Tensor"]:  # noqa: F821
         inputs = {"input_ids": self.input_ids.to(device, non_blocking=True)}
@@ -64,6 +68,10 @@ class MicroBatch:
             inputs["attention_mask"] = self.attention_mask.to(device, non_blocking=True)
         if self.position_ids is not None:
             inputs["position_ids"] = self.position_ids.to(device, non_blocking=True)
+        if self.cu_seq_lens is not None:
+            cu = self.cu_seq_lens.to(device, non_blocking=True)
+            inputs.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=self.max_seq_len_in_batch,
+                          max_length_k=self.max_seq_len_in_batch)
         return inputs
 
 
@@ -123,8 +131,9 @@ def pack_examples(examples: Sequence, row_len: int, pad_token_id: int, pad_to_mu
     """Pack examples into shared rows, with positions restarting per example and no attention mask.
 
     Without an attention mask and with restarting positions, transformers builds a block-diagonal
-    causal mask (``find_packed_sequence_indices``), so no token attends across an example boundary.
-    The padded tail of a row is one more "example" of pad tokens that nothing trains on.
+    causal mask (``find_packed_sequence_indices``), so no token attends across an example boundary;
+    the boundaries also go along as ``cu_seq_lens`` for attention that computes each example on its
+    own. The padded tail of a row is one more "example" of pad tokens that nothing trains on.
     """
     import torch
 
@@ -134,6 +143,7 @@ def pack_examples(examples: Sequence, row_len: int, pad_token_id: int, pad_to_mu
     ids = np.full((len(rows), width), pad_token_id, dtype=np.int64)
     labels = np.full((len(rows), width), IGNORE_INDEX, dtype=np.int64)
     positions = np.zeros((len(rows), width), dtype=np.int64)
+    spans = []  # lengths of the examples and padded tails, in flattened order
     for r, row in enumerate(rows):
         start = 0
         for i in row:
@@ -145,12 +155,17 @@ def pack_examples(examples: Sequence, row_len: int, pad_token_id: int, pad_to_mu
             # unpacked batch never trains it either (it has no predecessor).
             labels[r, start] = IGNORE_INDEX
             positions[r, start:end] = np.arange(len(x))
+            spans.append(len(x))
             start = end
         positions[r, start:] = np.arange(width - start)
+        if start < width:
+            spans.append(width - start)
     trained = int((labels[:, 1:] != IGNORE_INDEX).sum())
     return MicroBatch(
         torch.from_numpy(ids), None, torch.from_numpy(labels), trained, sum(lengths),
         position_ids=torch.from_numpy(positions), positions=ids.size,
+        cu_seq_lens=torch.from_numpy(np.concatenate([[0], np.cumsum(spans)]).astype(np.int32)),
+        max_seq_len_in_batch=max(spans),
     )
 
 

@@ -17,6 +17,7 @@ import torch
 
 from ftctl.methods.base import Method
 from ftctl.methods.dropout import use_bits_dropout
+from ftctl.methods.fused_lora import use_fused_lora_forward
 from ftctl.models.loading import load_causal_lm
 
 ADAPTER_INFO_FILE = "ftctl_adapter.json"
@@ -74,6 +75,7 @@ class AdapterMethod(Method):
             if param.requires_grad and param.dtype != torch.float32:
                 param.data = param.data.float()
         use_bits_dropout(model)  # same dropout, without torch's slow per-element CPU random numbers
+        use_fused_lora_forward(model)  # same function, fewer passes over full-width activations
         return model
 
     def trainable_state_dict(self, model, full_state):

@@ -23,6 +23,7 @@ from ftctl.data.batching import Batching, StepSampler
 from ftctl.data.dataset import build_datasets
 from ftctl.methods import create_method
 from ftctl.models.loading import load_tokenizer, resolve_model_path
+from ftctl.models.packed_attention import use_packed_attention
 from ftctl.parallel import create_backend
 from ftctl.precision import resolve_precision
 from ftctl.training.checkpoint import save_checkpoint
@@ -74,6 +75,8 @@ def _train(cfg: RunConfig, run_dir: Path, backend) -> TrainResult:
     _log_data(backend, train_data, eval_data)
 
     model = method.build_model(model_path, precision, backend.build_device)
+    if cfg.data.packing:
+        use_packed_attention(model)
     resume_from = resume_checkpoint(cfg, run_dir)
     if resume_from is not None:
         method.load_checkpoint_weights(model, resume_from)
