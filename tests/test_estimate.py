@@ -86,7 +86,7 @@ def test_ddp_keeps_a_second_copy_of_gradients_offload_moves_states():
 @pytest.mark.parametrize("double_quant, constants", [(True, 1 / 64 + 4 / (64 * 256)), (False, 4 / 64)])
 def test_qlora_base_is_half_a_byte_per_parameter_plus_constants(double_quant, constants):
     e = _estimate("recipe=llama7b_qlora", "precision=bf16", f"method.double_quant={str(double_quant).lower()}")
-    hidden, vocab, layers, inter = 4096, 32000, 32, 11008
+    hidden, layers, inter = 4096, 32, 11008
     linear = layers * (4 * hidden * hidden + 3 * hidden * inter)
     unquantised = LLAMA2_7B_PARAMETERS - linear  # embeddings, norms, head: fp32 after prepare_model_for_kbit_training
     adapters = e.trainable_parameters
