@@ -142,6 +142,11 @@ def harness_jobs(root: Path) -> list:
         {"id": "zero3-offload", "overrides": ["parallel=zero3", "method=full", "parallel.offload_optimizer=cpu",
                                               "parallel.offload_params=cpu", f"output_dir={root}/zero3-offload"]},
         {"id": "fsdp-offload", "overrides": ["parallel=fsdp", "method=full", "parallel.offload_params=cpu", f"output_dir={root}/fsdp-offload"]},
+        # Packed micro-batches carry their example boundaries through the sharding wrappers to attention.
+        {"id": "fsdp-lora-packed", "overrides": ["parallel=fsdp", "method=lora", "data.packing=true", *EXTRA["fsdp"],
+                                                 f"output_dir={root}/fsdp-lora-packed"]},
+        {"id": "zero3-lora-packed", "overrides": ["parallel=zero3", "method=lora", "data.packing=true",
+                                                  f"output_dir={root}/zero3-lora-packed"]},
         # `ftctl train` itself, started once per rank by torchrun: it must train in place.
         {"id": "cli-in-place", "cli": True, "overrides": ["parallel=ddp", "method=lora", f"output_dir={root}/cli-in-place"]},
     ]
@@ -260,6 +265,17 @@ def test_dora_qlora_and_offload_match_single_process(harness, references, job, r
     if job in ("fsdp-qlora", "zero3-qlora"):  # the packed 4-bit codes are sharded like any weight
         for r in (r0, r1):
             assert r["frozen_local"] <= r["frozen_full"] / WORLD * 1.05
+
+
+@pytest.mark.parametrize("job", ["fsdp-lora-packed", "zero3-lora-packed"])
+def test_packed_batches_train_like_padded_ones_when_sharded(harness, references, job):
+    from ftctl.training.metrics import read_metrics
+
+    _, root = harness
+    assert max_relative_loss_difference(root / job, references["lora"]) <= LOSS_RTOL
+    assert max_weight_difference(root / job, references["lora"]) <= WEIGHT_ATOL
+    waste = [[m["padding_waste"] for m in read_metrics(d) if "loss" in m] for d in (root / job, references["lora"])]
+    assert all(packed < padded for packed, padded in zip(*waste))
 
 
 @pytest.mark.parametrize("backend", ["ddp", "fsdp"])
