@@ -60,7 +60,6 @@ class MicroBatch:
     # Packed only: where each example (and each row's padded tail) starts and ends in the flattened
     # rows, as varlen attention kernels take it (see ftctl.models.packed_attention).
     cu_seq_lens: Optional["torch.Tensor"] = None  # noqa: F821
-    max_seq_len_in_batch: int = 0
 
     def model_inputs(self, device) -> Dict[str, "torch.Tensor"]:  # noqa: F821
         inputs = {"input_ids": self.input_ids.to(device, non_blocking=True)}
@@ -70,8 +69,8 @@ class MicroBatch:
             inputs["position_ids"] = self.position_ids.to(device, non_blocking=True)
         if self.cu_seq_lens is not None:
             cu = self.cu_seq_lens.to(device, non_blocking=True)
-            inputs.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=self.max_seq_len_in_batch,
-                          max_length_k=self.max_seq_len_in_batch)
+            longest = int(self.cu_seq_lens.diff().max())
+            inputs.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest, max_length_k=longest)
         return inputs
 
 
@@ -165,7 +164,6 @@ def pack_examples(examples: Sequence, row_len: int, pad_token_id: int, pad_to_mu
         torch.from_numpy(ids), None, torch.from_numpy(labels), trained, sum(lengths),
         position_ids=torch.from_numpy(positions), positions=ids.size,
         cu_seq_lens=torch.from_numpy(np.concatenate([[0], np.cumsum(spans)]).astype(np.int32)),
-        max_seq_len_in_batch=max(spans),
     )
 
 

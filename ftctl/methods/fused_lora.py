@@ -6,10 +6,12 @@ pass to scale the kept inputs. Here the low-rank update is added inside the matm
 (``addmm(base(x), x_A, B.T, alpha=scaling)``), and dropout's 1/(1-p) joins ``alpha``, so it acts on
 the rank-r intermediate rather than on full-width activations. On CPUs in fp32, the dropped input
 of ``lora_A`` is not kept for backward either (:class:`DroppedLowRank`): backward rebuilds it from
-the layer input, which the sibling projections share, and the dropout's 16-bit random numbers. The adapter weights, their names,
-saving, merging and every other peft behaviour stay peft's: the swap only replaces the forward of
-layers in the plain configuration (one active adapter, no DoRA, unmerged, a plain ``nn.Linear``
-base) and falls back to peft's own forward whenever the layer is in any other state.
+the layer input, which the sibling projections share, and the dropout's 16-bit random numbers.
+
+The adapter weights, their names, saving, merging and every other peft behaviour stay peft's: the
+swap only replaces the forward of layers in the plain configuration (one active adapter, no DoRA,
+unmerged, a plain ``nn.Linear`` base) and falls back to peft's own forward whenever the layer is in
+any other state.
 """
 
 from __future__ import annotations
