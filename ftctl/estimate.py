@@ -91,6 +91,11 @@ def _read_json(path: Path) -> dict:
         raise ConfigError(f"{path}: not valid JSON ({exc})") from None
 
 
+def nvidia_gpu_visible() -> bool:
+    gpus = Path("/proc/driver/nvidia/gpus")
+    return os.environ.get("CUDA_VISIBLE_DEVICES", None) != "" and gpus.is_dir() and any(gpus.iterdir())
+
+
 def machine_precision(name: str) -> str:
     """What precision=auto resolves to on this machine, as ftctl.precision decides, without torch.
 
@@ -98,8 +103,7 @@ def machine_precision(name: str) -> str:
     """
     if name != "auto":
         return name
-    gpus = Path("/proc/driver/nvidia/gpus")
-    if os.environ.get("CUDA_VISIBLE_DEVICES", None) != "" and gpus.is_dir() and any(gpus.iterdir()):
+    if nvidia_gpu_visible():
         return "bf16"
     try:
         flags = next((line for line in open("/proc/cpuinfo") if line.startswith("flags")), "").split()
@@ -306,15 +310,18 @@ def _small_parameter_bytes(arch: Architecture, cfg: RunConfig, weight_bytes, ada
 
 
 def layer_activation_elements(arch: Architecture, method: str, adapted: set, dropout: float, r: int,
-                              dora: bool, grad_reaches_input: bool) -> Tuple[float, float, float]:
+                              dora: bool, grad_reaches_input: bool, dropout_bits: bool = False) -> Tuple[float, float, float]:
     """What one decoder layer keeps for backward per token: (stream elements, matmul-output elements, mask bytes).
 
-    Counted from what each op saves, as autograd does it (checked against saved-tensor hooks):
-    each RMSNorm keeps its input and 1/rms, plus its normalised output when its weight trains; a
-    linear layer keeps its input only when its weight trains (one copy for layers reading the same
-    tensor); a LoRA layer keeps its input for lora_A (with dropout, its own dropped copy and a
-    1-byte keep mask instead, see ftctl.methods.dropout) and lora_A's r outputs; sdpa keeps q, k,
-    v, its output and the log-sum-exp; the MLP keeps gate, SiLU(gate) and up.
+    Counted from what each op saves, as autograd does it (tests/test_estimate.py checks it against
+    saved-tensor hooks): each RMSNorm keeps its normalised value and 1/rms
+    (ftctl.models.fast_rms_norm); a linear layer keeps its input only when its weight trains (one
+    copy for layers reading the same tensor); a LoRA layer keeps its input for lora_A and lora_A's
+    r outputs. With dropout, ftctl's fused CPU path (``dropout_bits``: plain LoRA in fp32 on a CPU,
+    ftctl.methods.fused_lora) keeps the shared input plus 2 bytes of random numbers per element and
+    adapter; elsewhere each adapter keeps its own dropped copy and a 1-byte keep mask. sdpa keeps q,
+    k, v, its output and the log-sum-exp, and o_proj's input is a contiguous copy of that output;
+    the MLP keeps gate, SiLU(gate) and up.
     Returned apart because matmul outputs come in the compute dtype, the rest in the stream's.
     """
     h, a, kv, i, heads = arch.hidden, arch.attention_width, arch.kv_width, arch.intermediate, arch.heads
@@ -322,9 +329,7 @@ def layer_activation_elements(arch: Architecture, method: str, adapted: set, dro
     stream = 0.0  # residual stream, norms, dropout copies
     masks = 0.0  # dropout keep masks, one byte per element
     matmul = 2 * a + 2 * kv + heads + 3 * i  # attention q, k, v, out, lse; gate, act, up
-    stream += (h + 1) * (2 if grad_reaches_input else 1)  # norm inputs and 1/rms (layer 0 of an adapter: norm 2 only)
-    if full:
-        stream += 2 * h  # normalised outputs, for the norm weights' gradients
+    stream += (h + 1) * (2 if grad_reaches_input else 1)  # normalised values and 1/rms (layer 0 of an adapter: norm 2 only)
     groups = {  # a shared input tensor and the linear layers reading it
         "attn_in": (h, ("q_proj", "k_proj", "v_proj"), "stream"),
         "attn_out": (a, ("o_proj",), "matmul"),
@@ -337,7 +342,10 @@ def layer_activation_elements(arch: Architecture, method: str, adapted: set, dro
             if full:
                 keeps_shared = True
             elif name in adapted:
-                if dropout > 0:
+                if dropout > 0 and dropout_bits:
+                    keeps_shared = True
+                    masks += 2 * width  # 16-bit random numbers, turned into the keep mask again in backward
+                elif dropout > 0:
                     stream += width if kind == "stream" else 0
                     matmul += width if kind == "matmul" else 0
                     if grad_reaches_input or group != "attn_in":  # the mask serves the input's gradient only
@@ -347,8 +355,7 @@ def layer_activation_elements(arch: Architecture, method: str, adapted: set, dro
                 matmul += r
                 if dora:
                     matmul += arch.linear_shapes()[name][1]
-        # sdpa's saved output is o_proj's input already.
-        if keeps_shared and group != "attn_out":
+        if keeps_shared:
             if kind == "stream":
                 stream += width
             else:
@@ -362,20 +369,22 @@ def activation_bytes(arch: Architecture, cfg: RunConfig, adapted: set, tokens: i
     m = cfg.method
     notes: List[str] = []
     dora = m.name != "full" and (m.use_dora or m.name == "dora")
+    # The fused path's condition (ftctl.methods.fused_lora): plain LoRA, fp32 without autocast, on a CPU.
+    dropout_bits = m.name == "lora" and not dora and stream_dtype == matmul_dtype == 4 and not nvidia_gpu_visible()
     args = (arch, m.name, adapted, m.dropout, m.r, dora)
-    stream, matmul, masks = layer_activation_elements(*args, grad_reaches_input=True)
+    stream, matmul, masks = layer_activation_elements(*args, grad_reaches_input=True, dropout_bits=dropout_bits)
     per_layer = tokens * (stream_dtype * stream + matmul_dtype * matmul + masks)
     if m.name == "full":
         layers = arch.layers * per_layer
     else:  # the frozen embedding sends no gradient into the first layer
-        s0, m0, masks0 = layer_activation_elements(*args, grad_reaches_input=False)
+        s0, m0, masks0 = layer_activation_elements(*args, grad_reaches_input=False, dropout_bits=dropout_bits)
         layers = (arch.layers - 1) * per_layer + tokens * (stream_dtype * s0 + matmul_dtype * m0 + masks0)
     if dora:
         notes.append("dora: activations approximate (DoRA's weight-norm terms counted as one output per layer)")
 
     h, v, i = arch.hidden, arch.vocab, arch.intermediate
     head_trains = m.name == "full" or any(n.endswith("lm_head") for n in m.modules_to_save)
-    head = tokens * stream_dtype * (h + 1 + (h if m.name == "full" else 0))  # final norm
+    head = tokens * stream_dtype * (h + 1)  # final norm
     if arch.model_type in HEAD_RETURNS_PLAIN_LOGITS:
         # Chunked loss: the gradient for the hidden states, one chunk of logits, the head's gradient.
         head += tokens * h * 4 + min(tokens, max(1, LOSS_CHUNK_ELEMENTS // v)) * v * 4

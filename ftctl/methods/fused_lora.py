@@ -2,9 +2,9 @@
 
 peft computes ``base(x) + lora_B(lora_A(dropout(x))) * scaling``: after the matmuls, one pass to
 scale the low-rank output, one to add it, one more in backward for the scaling, and dropout's own
-pass to scale the kept inputs. Here the low-rank update is added inside the matmul that produces it
-(``addmm(base(x), x_A, B.T, alpha=scaling)``), and dropout's 1/(1-p) joins ``alpha``, so it acts on
-the rank-r intermediate rather than on full-width activations. On CPUs in fp32, the dropped input
+pass to scale the kept inputs. Here the low-rank update is added into the base output by the
+matmul that produces it (``base(x).addmm_(x_A, B.T, alpha=scaling)``), and dropout's 1/(1-p)
+joins ``alpha``, so it acts on the rank-r intermediate rather than on full-width activations. On CPUs in fp32, the dropped input
 of ``lora_A`` is not kept for backward either (:class:`DroppedLowRank`): backward rebuilds it from
 the layer input, which the sibling projections share, and the dropout's 16-bit random numbers.
 
@@ -55,6 +55,10 @@ def fused_lora_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     name = _plain_adapter(self, args, kwargs)
     if name is None:
         return type(self).forward(self, x, *args, **kwargs)
+    shape = x.shape
+    # 2-D from the start, so the low-rank update can be added into the base output in place: an
+    # in-place op on a reshaped view would make autograd copy the whole gradient (CopySlices).
+    x = x.reshape(-1, shape[-1])
     result = self.base_layer(x)
     lora_a, lora_b = self.lora_A[name].weight, self.lora_B[name].weight
     x = x.to(lora_a.dtype)
@@ -69,9 +73,11 @@ def fused_lora_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     else:
         low_rank = F.linear(dropout(x), lora_a)
     if result.dtype != low_rank.dtype and not torch.is_autocast_enabled(result.device.type):
-        return result + (F.linear(low_rank, lora_b) * scaling).to(result.dtype)
-    out = torch.addmm(result.reshape(-1, result.shape[-1]), low_rank.reshape(-1, low_rank.shape[-1]), lora_b.t(), alpha=scaling)
-    return out.view(result.shape)
+        result = result + (F.linear(low_rank, lora_b) * scaling).to(result.dtype)
+    else:
+        # The base layer's backward does not need its output, so adding into it is safe.
+        result = result.addmm_(low_rank, lora_b.t(), alpha=scaling)
+    return result.view(*shape[:-1], result.shape[-1])
 
 
 class DroppedLowRank(torch.autograd.Function):

@@ -22,6 +22,7 @@ from ftctl.config.validate import gradient_accumulation_steps
 from ftctl.data.batching import Batching, StepSampler
 from ftctl.data.dataset import build_datasets
 from ftctl.methods import create_method
+from ftctl.models.fast_rms_norm import use_fast_rms_norm
 from ftctl.models.loading import load_tokenizer, resolve_model_path
 from ftctl.models.packed_attention import use_packed_attention
 from ftctl.parallel import create_backend
@@ -75,6 +76,7 @@ def _train(cfg: RunConfig, run_dir: Path, backend) -> TrainResult:
     _log_data(backend, train_data, eval_data)
 
     model = method.build_model(model_path, precision, backend.build_device)
+    use_fast_rms_norm(model)
     if cfg.data.packing:
         use_packed_attention(model)
     resume_from = resume_checkpoint(cfg, run_dir)
