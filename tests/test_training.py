@@ -96,8 +96,13 @@ def test_full_result_is_a_transformers_model_dir(make_cfg, run_training):
 def test_accumulation_invariance(make_cfg, run_training, tmp_path):
     """Global batch 8 as 8 micro-batches of 1 or as 2 of 4: the same loss curve and weights.
 
-    Tolerance: 1e-5 relative on every logged loss and 1e-5 absolute on weights; the runs differ only
-    by fp32 summation order and the padding of the micro-batches, which never reaches the loss."""
+    Tolerance: 1e-5 relative on every logged loss and 5e-5 absolute on weights; the runs differ only
+    by fp32 summation order and the padding of the micro-batches, which never reaches the loss. The
+    weights get the looser bound because Adam divides each update by the gradient's own running size,
+    which turns fp32 rounding into a visible change for an element whose gradient is near zero: one
+    gate_proj element moves 1.7e-5 between the two layouts (every other weight stays within 3e-6),
+    and up to 3e-5 between runs that differ only in the RMSNorm implementation, both of which agree
+    with float64 to 1.5e-7."""
     curves, weights = [], []
     for micro in (1, 4):
         cfg = make_cfg("method=full", "train.max_steps=5", "train.global_batch_size=8",
@@ -109,7 +114,7 @@ def test_accumulation_invariance(make_cfg, run_training, tmp_path):
     for a, b in zip(*curves):
         assert abs(a - b) <= 1e-5 * abs(a), curves
     for key in weights[0]:
-        torch.testing.assert_close(weights[0][key], weights[1][key], rtol=0, atol=1e-5)
+        torch.testing.assert_close(weights[0][key], weights[1][key], rtol=0, atol=5e-5)
 
 
 def test_seeded_runs_are_identical_and_checkpointing_changes_nothing(make_cfg, run_training, tmp_path):

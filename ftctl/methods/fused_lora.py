@@ -72,7 +72,9 @@ def fused_lora_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
             low_rank = DroppedLowRank.apply(x, lora_a, dropout.random_bits(x), dropout.threshold)
     else:
         low_rank = F.linear(dropout(x), lora_a)
-    if result.dtype != low_rank.dtype and not torch.is_autocast_enabled(result.device.type):
+    if torch.is_autocast_enabled(result.device.type):
+        result = torch.addmm(result, low_rank, lora_b.t(), alpha=scaling)  # autocast casts addmm, not addmm_
+    elif result.dtype != low_rank.dtype:
         result = result + (F.linear(low_rank, lora_b) * scaling).to(result.dtype)
     else:
         # The base layer's backward does not need its output, so adding into it is safe.
