@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import os
-import warnings
 import logging
+import os
 import sys
+import warnings
 from pathlib import Path
 from typing import List, Optional
 

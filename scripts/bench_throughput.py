@@ -27,6 +27,7 @@ is the peak under the run's own conditions).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import random
@@ -187,10 +188,6 @@ def tokenized(s: dict):
 
 
 def worker_ftctl(s: dict) -> dict:
-    return bracketed_by_peaks(lambda: _train_ftctl(s))
-
-
-def _train_ftctl(s: dict) -> dict:
     from ftctl.config.compose import compose_config
     from ftctl.data.batching import StepSampler
     from ftctl.training.metrics import read_metrics
@@ -219,10 +216,6 @@ def _train_ftctl(s: dict) -> dict:
 
 
 def worker_trl(s: dict) -> dict:
-    return bracketed_by_peaks(lambda: _train_trl(s))
-
-
-def _train_trl(s: dict) -> dict:
     import torch
     from datasets import Dataset
     from peft import LoraConfig
@@ -281,7 +274,8 @@ WORKERS = {"matmul": worker_matmul, "ftctl": worker_ftctl, "trl": worker_trl}
 def run_worker(kind: str, settings: dict) -> dict:
     monitor = Interference()
     monitor.start()
-    result = WORKERS[kind](settings)
+    work = functools.partial(WORKERS[kind], settings)
+    result = work() if kind == "matmul" else bracketed_by_peaks(work)
     result["others"] = monitor.stop()
     result["peak_rss_mib"] = peak_rss_mib()
     return result

@@ -6,9 +6,9 @@ dropouts per layer that costs more than the adapters' matmuls, and it does not s
 threads. :class:`BitsDropout` draws one 64-bit number per four elements instead, from numpy's
 SFC64 (twice as fast as torch's 64-bit ``random_``, whose mt19937 makes two 32-bit draws for each),
 seeded per call by one draw from torch's generator, so ``torch.manual_seed`` and a checkpoint's RNG
-state still fix every mask. It reads each number as four uniform 16-bit integers, drops an element when its integer falls in the lowest p share of the range
-(p rounded to a multiple of 1/65536) and scales the kept ones by 1/(1-p), as nn.Dropout does. For
-backward it keeps a 1-byte mask where nn.Dropout keeps fp32 noise. The mask is uint8, not bool:
+state still fix every mask. It reads each number as four uniform 16-bit integers, drops an element
+when its integer falls in the lowest p share of the range (p rounded to a multiple of 1/65536) and
+scales the kept ones by 1/(1-p), as nn.Dropout does. For backward it keeps a 1-byte mask where nn.Dropout keeps fp32 noise. The mask is uint8, not bool:
 a float tensor times a bool tensor takes torch's slow type-promotion path on CPUs (about 4x the
 time of the same product with uint8). On other devices it is plain ``F.dropout``, whose fused
 kernels are fast already.

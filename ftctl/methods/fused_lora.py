@@ -4,9 +4,10 @@ peft computes ``base(x) + lora_B(lora_A(dropout(x))) * scaling``: after the matm
 scale the low-rank output, one to add it, one more in backward for the scaling, and dropout's own
 pass to scale the kept inputs. Here the low-rank update is added into the base output by the
 matmul that produces it (``base(x).addmm_(x_A, B.T, alpha=scaling)``), and dropout's 1/(1-p)
-joins ``alpha``, so it acts on the rank-r intermediate rather than on full-width activations. On CPUs in fp32, the dropped input
-of ``lora_A`` is not kept for backward either (:class:`DroppedLowRank`): backward rebuilds it from
-the layer input, which the sibling projections share, and the dropout's 16-bit random numbers.
+joins ``alpha``, so it acts on the rank-r intermediate rather than on full-width activations. On
+CPUs in fp32, the dropped input of ``lora_A`` is not kept for backward either
+(:class:`DroppedLowRank`): backward rebuilds it from the layer input, which the sibling projections
+share, and the dropout's 16-bit random numbers.
 
 The adapter weights, their names, saving, merging and every other peft behaviour stay peft's: the
 swap only replaces the forward of layers in the plain configuration (one active adapter, no DoRA,
@@ -83,7 +84,7 @@ def fused_lora_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
 
 
 class DroppedLowRank(torch.autograd.Function):
-    """``(x * keep) @ weight.T``, with ``keep = bits >= threshold``, keeping only ``x`` and ``bits`` for backward.
+    """``(x * keep) @ weight.T`` for 2-D ``x``, with ``keep = bits >= threshold``, keeping only ``x`` and ``bits``.
 
     Autograd would keep the dropped input (4 bytes an element, one copy per projection) and the
     mask; this keeps the undropped input, one tensor shared by q/k/v and by gate/up, plus 2 bytes
@@ -103,8 +104,7 @@ class DroppedLowRank(torch.autograd.Function):
         keep = keep_from_bits(bits, ctx.threshold, x.dtype)
         grad_x = grad_weight = None
         if ctx.needs_input_grad[0]:
-            grad_x = torch.matmul(grad_out, weight).mul_(keep)
+            grad_x = grad_out.mm(weight).mul_(keep)
         if ctx.needs_input_grad[1]:
-            dropped = keep.mul_(x)
-            grad_weight = grad_out.reshape(-1, grad_out.shape[-1]).t().mm(dropped.reshape(-1, x.shape[-1]))
+            grad_weight = grad_out.t().mm(keep.mul_(x))
         return grad_x, grad_weight, None, None
