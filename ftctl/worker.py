@@ -98,7 +98,16 @@ def train_under_launcher(cfg, debug: bool = False):
         _setup_rank_logging(place.rank, run_dir, debug)
         from ftctl.training.runner import train
 
-        result = train(cfg, run_dir)
+        try:
+            result = train(cfg, run_dir)
+        except FtctlError:
+            if place.rank == 0:  # the run dir is rank 0's: a run that never took a step leaves nothing behind
+                from ftctl.cli import close_run_log
+                from ftctl.training.run_dir import discard_unstarted_run
+
+                close_run_log()
+                discard_unstarted_run(run_dir)
+            raise
         return result if place.rank == 0 else None
     finally:
         if owns_group and dist.is_initialized():

@@ -149,6 +149,9 @@ def harness_jobs(root: Path) -> list:
                                                   f"output_dir={root}/zero3-lora-packed"]},
         # `ftctl train` itself, started once per rank by torchrun: it must train in place.
         {"id": "cli-in-place", "cli": True, "overrides": ["parallel=ddp", "method=lora", f"output_dir={root}/cli-in-place"]},
+        # ... and, failing before its first step (every example too long), leave no run dir behind.
+        {"id": "cli-in-place-fails", "cli": True, "overrides": ["parallel=ddp", "method=lora", "data.max_seq_len=16",
+                                                                 f"output_dir={root}/cli-in-place-fails"]},
     ]
     return jobs
 
@@ -308,6 +311,12 @@ def test_ftctl_train_runs_in_place_under_torchrun(harness, references):
     run = root / "cli-in-place"
     assert "parallel=ddp×2" in (run / "train.log").read_text()
     assert max_relative_loss_difference(run, references["lora"]) <= LOSS_RTOL
+
+
+def test_ftctl_train_in_place_failing_before_its_first_step_leaves_no_run_dir(harness):
+    _, root = harness
+    assert [r["returncode"] for r in ranks(harness, "cli-in-place-fails")] == [1, 1]
+    assert not (root / "cli-in-place-fails").exists()
 
 
 # ----------------------------------------------------------------------------------------------
