@@ -72,6 +72,10 @@ def load_chat_model(options: Dict[str, str]):
 
     if "model" not in options and "adapter" not in options:
         raise FtctlError("say which model to run: model=NAME_OR_DIR_OR_GGUF (and optionally adapter=RUN_OR_ADAPTER_DIR)")
+    if options.get("chat_template"):
+        from ftctl.config.validate import check_chat_template
+
+        check_chat_template("chat_template", options["chat_template"])
     model, adapter_dir = resolve_targets(options.get("model"), options.get("adapter"))
     return load_for_generation(model, adapter_dir, options.get("chat_template"))
 

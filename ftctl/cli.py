@@ -10,7 +10,7 @@ import warnings
 from pathlib import Path
 from typing import List, Optional
 
-from ftctl.errors import FtctlError
+from ftctl.errors import FtctlError, did_you_mean
 
 log = logging.getLogger("ftctl")
 
@@ -83,12 +83,17 @@ def cmd_train(args) -> int:
     if args.cfg:
         print(to_yaml(cfg), end="")
         return 0
-    if args.dry_run:
+    from ftctl.preflight import check_files, check_launch, visible_device_type
+
+    if args.dry_run:  # the plan, and the checks a real run on this machine makes before it starts
         from ftctl.plan import describe_run
 
-        print(describe_run(cfg))
+        check_files(cfg)
+        print(describe_run(cfg), flush=True)
+        check_launch(cfg, args.overrides, visible_device_type())  # after the plan: it may be meant for another machine
         return 0
-    from ftctl.launch import check_launch, inside_launcher, launch_workers, world_size
+    from ftctl.launch import launch_workers, world_size
+    from ftctl.parallel.place import inside_launcher
     from ftctl.worker import done_line
     from ftctl.training.run_dir import discard_unstarted_run, prepare_run_dir
 
@@ -113,7 +118,7 @@ def cmd_train(args) -> int:
             launch_workers(cfg, run_dir, run_dir / "config.yaml")  # rank 0 prints the result line
             return 0
         result = train(cfg, run_dir)
-    except FtctlError:
+    except BaseException:  # whatever stopped it, a run that never took a step leaves nothing behind
         close_run_log()
         discard_unstarted_run(run_dir)
         raise
@@ -146,8 +151,6 @@ def cmd_models(args) -> int:
     name = args.prepare or args.rebuild
     if name:
         if name not in aliases():
-            from ftctl.errors import did_you_mean
-
             raise FtctlError(f"unknown model alias '{name}'.{did_you_mean(name, aliases())} Aliases: {', '.join(sorted(aliases()))}")
         print(resolve_alias(name, rebuild=bool(args.rebuild)))
         return 0
@@ -345,15 +348,29 @@ def build_parser() -> argparse.ArgumentParser:
     prev = data_sub.add_parser("preview", help="rendered examples with trained spans marked")
     prev.add_argument("overrides", nargs="*")
     prev.set_defaults(func=cmd_data_preview)
-    for p in sub.choices.values():
+    for name, p in sub.choices.items():
+        p.prog = f"ftctl {name}"  # not the top-level usage, which argparse would put in front of every one
         p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks")
+    prev.prog = "ftctl data preview"
     prev.add_argument("--debug", action="store_true", default=argparse.SUPPRESS)
+    parser.command_parsers = {**sub.choices, "data preview": prev}
     return parser
+
+
+def _refuse_unknown_arguments(parser: argparse.ArgumentParser, args, unknown: List[str]) -> None:
+    """argparse would answer with the top-level usage; say it in the command's own terms instead."""
+    name = " ".join(filter(None, [args.command, getattr(args, "data_command", None)]))
+    owner = parser.command_parsers.get(name, parser)
+    flags = [flag for action in owner._actions for flag in action.option_strings if flag.startswith("--")]
+    hints = [did_you_mean(arg.split("=")[0], flags).strip() for arg in unknown if arg.startswith("-")]
+    owner.error(f"unrecognized arguments: {' '.join(unknown)}{''.join(' ' + h for h in hints if h)}")
 
 
 def main(argv: Optional[List[str]] = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        _refuse_unknown_arguments(parser, args, unknown)
     args.debug = getattr(args, "debug", False)
     if not getattr(args, "func", None):
         parser.print_help()
@@ -373,6 +390,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     except KeyboardInterrupt:
         print("ftctl: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # the reader went away (`ftctl config-docs | head`): stop quietly, as other tools do
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit-time flush cannot fail again
+        return 0
 
 
 if __name__ == "__main__":

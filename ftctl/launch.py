@@ -18,11 +18,10 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import List, Optional, Sequence
+from typing import List, Optional
 
 from ftctl.config.schema import RunConfig
 from ftctl.errors import ConfigError, FtctlError
-from ftctl.parallel.distributed import inside_launcher
 
 ERROR_DIR_ENV = "FTCTL_ERROR_DIR"  # where each worker writes rank<N>.json when it fails with an FtctlError
 NODE_CONFIG_PREFIX = "ftctl-node-config-"
@@ -58,18 +57,6 @@ def worker_env(cfg: RunConfig, error_dir: Path) -> dict:
     threads = cfg.train.num_threads or max(1, (os.cpu_count() or 1) // cfg.parallel.nproc_per_node)
     env.setdefault("OMP_NUM_THREADS", str(threads))
     return env
-
-
-def check_launch(cfg: RunConfig, overrides: Sequence[str]) -> None:
-    """What must hold before ``ftctl train`` writes or starts anything, beyond the config's own validation."""
-    from ftctl.parallel.support import check_supported
-
-    check_supported(cfg)
-    if cfg.parallel.nnodes > 1 and not inside_launcher() and not any(o.startswith("output_dir=") for o in overrides):
-        raise ConfigError(
-            "a multi-node run needs an explicit output_dir=... on every node (on a filesystem they share): "
-            "the default, timestamped one would differ from node to node"
-        )
 
 
 def launch_workers(cfg: RunConfig, run_dir: Path, config_path: Optional[Path] = None) -> None:

@@ -51,14 +51,11 @@ def read_adapter_config(adapter_dir: Path) -> dict:
     raise FtctlError(f"adapter={adapter_dir} is not a peft adapter dir: it has no adapter_config.json{hint}")
 
 
-def _resolve_base(adapter_dir: Path, adapter_config: dict, base: Optional[str]) -> str:
+def _resolve_base(adapter_dir: Path, adapter_config: dict, base: Optional[str], base_key: str = "base") -> str:
     from ftctl.models.loading import resolve_model_path
 
     if base:
-        try:
-            return resolve_model_path(base)
-        except FtctlError as exc:
-            raise FtctlError(f"base={base}: {str(exc).split(': ', 1)[-1]}") from None
+        return resolve_model_path(base, key=base_key)
     recorded = adapter_config.get("base_model_name_or_path")
     if not recorded:
         raise FtctlError(f"{adapter_dir / 'adapter_config.json'} names no base model; pass base=DIR")
@@ -158,18 +155,26 @@ def _load_tokenizer(adapter_dir: Path, base_path: str):
         raise FtctlError(f"could not load the tokenizer from {source}: {str(exc).splitlines()[0]}") from None
 
 
-def merge_adapter(adapter_dir, base: Optional[str] = None, dtype: str = "float32", *, dequantize: bool = True):
-    """Load base + adapter and fold the adapter into the base weights; returns (plain transformers model, tokenizer)."""
+def _check_dtype(dtype: str) -> None:
+    if dtype not in MERGE_DTYPES:
+        raise FtctlError(f"dtype={dtype} is not one of {', '.join(MERGE_DTYPES)}")
+
+
+def merge_adapter(adapter_dir, base: Optional[str] = None, dtype: str = "float32", *, dequantize: bool = True,
+                  base_key: str = "base"):
+    """Load base + adapter and fold the adapter into the base weights; returns (plain transformers model, tokenizer).
+
+    ``base_key`` names the option that gave ``base`` in messages (merge's base=, chat's and eval's model=).
+    """
     from ftctl.config.schema import ModelConfig
     from ftctl.models.loading import load_causal_lm
 
-    if dtype not in MERGE_DTYPES:
-        raise FtctlError(f"dtype={dtype} is not one of {', '.join(MERGE_DTYPES)}")
+    _check_dtype(dtype)
     adapter_dir = Path(adapter_dir).expanduser().absolute()
     adapter_config = read_adapter_config(adapter_dir)
     if adapter_config.get("peft_type", "LORA") != "LORA":
         raise FtctlError(f"adapter={adapter_dir} is a {adapter_config['peft_type']} adapter; ftctl merges LoRA-family adapters")
-    base_path = _resolve_base(adapter_dir, adapter_config, base)
+    base_path = _resolve_base(adapter_dir, adapter_config, base, base_key)
     tokenizer = _load_tokenizer(adapter_dir, base_path)
     _check_base_fits(adapter_dir, adapter_config, base_path, tokenizer)
 
@@ -201,6 +206,17 @@ def check_output_dir(output: Path, overwrite: bool) -> None:
         raise FtctlError(f"output={output} exists and is not a directory")
     if output.is_dir() and any(output.iterdir()) and not overwrite:
         raise FtctlError(f"output={output} is not empty; choose another dir or pass overwrite=true")
+
+
+def refuse_output_over_inputs(output: Path, **inputs: Optional[str]) -> None:
+    """``output=`` must not be, or contain, a dir the command reads: writing it would first delete that input."""
+    output = output.resolve()
+    for key, source in inputs.items():
+        if not source or not Path(source).expanduser().exists():
+            continue  # not given, or an alias or hub id: nothing on disk to destroy
+        path = Path(source).expanduser().resolve()
+        if output == path or output in path.parents:
+            raise FtctlError(f"output={output} is {key}= or a dir holding it: writing it would delete what the command reads")
 
 
 def write_merged(model: torch.nn.Module, tokenizer, output_dir, *, overwrite: bool = False, max_shard_size=None) -> Path:
@@ -242,7 +258,8 @@ def merge(adapter_dir, output_dir, *, base: Optional[str] = None, dtype: str = "
     """``ftctl merge``: check the output first (cheap), merge, write."""
     output = Path(output_dir).expanduser().absolute()
     check_output_dir(output, overwrite)
-    if output == Path(adapter_dir).expanduser().absolute():
-        raise FtctlError("output= must differ from adapter=: the adapter would be replaced by the merged model")
+    _check_dtype(dtype)
+    recorded_base = read_adapter_config(Path(adapter_dir).expanduser()).get("base_model_name_or_path")
+    refuse_output_over_inputs(output, adapter=str(adapter_dir), base=base or recorded_base)
     model, tokenizer = merge_adapter(adapter_dir, base, dtype, dequantize=dequantize)
     return write_merged(model, tokenizer, output, overwrite=overwrite)

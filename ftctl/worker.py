@@ -41,7 +41,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--debug", action="store_true")
     args = parser.parse_args(argv)
     from ftctl.launch import report_worker_error
-    from ftctl.parallel.distributed import process_place
+    from ftctl.parallel.place import process_place
 
     rank = process_place().rank
     config_path = Path(args.config)
@@ -69,7 +69,8 @@ def train_under_launcher(cfg, debug: bool = False):
     import torch.distributed as dist
 
     from ftctl.config.compose import load_resolved, to_yaml
-    from ftctl.parallel.distributed import ensure_process_group, process_place
+    from ftctl.parallel.distributed import ensure_process_group
+    from ftctl.parallel.place import process_place
     from ftctl.training.run_dir import prepare_run_dir
 
     place = process_place()

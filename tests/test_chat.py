@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import json
+import shutil
 
 import pytest
 
@@ -148,6 +149,11 @@ def test_chat_runs_an_adapter_and_an_exported_gguf(tiny_model_dir, tiny_lm, tmp_
     assert chat_once(capsys, f"model={tiny_model_dir}", f"adapter={tmp_path / 'adapter'}", f"prompt={PROMPT}",
                      "max_new_tokens=12") == with_adapter + "\n"
 
+    # A run dir stands for its final/, as the base of an adapter too.
+    shutil.copytree(tiny_model_dir, tmp_path / "full-run" / "final")
+    assert chat_once(capsys, f"model={tmp_path / 'full-run'}", f"adapter={tmp_path / 'adapter'}", f"prompt={PROMPT}",
+                     "max_new_tokens=12") == with_adapter + "\n"
+
     gguf_file = write_gguf(tiny_lm[0], tiny_lm[1], tmp_path / "tiny.gguf", "f32")
     assert chat_once(capsys, f"model={gguf_file}", f"prompt={PROMPT}", "max_new_tokens=12") == greedy(tiny_lm, messages)[0] + "\n"
 
@@ -161,6 +167,8 @@ def test_chat_runs_an_adapter_and_an_exported_gguf(tiny_model_dir, tiny_lm, tmp_
         ("chat", ["model=m", "top_p=1.5"], "top_p=1.5: must be between 0.0 and 1.0"),
         ("chat", ["model=m", "max_new_tokens=0"], "max_new_tokens=0: must be at least 1"),
         ("chat", ["model=/nonexistent/x.gguf", "prompt=hi"], "no such GGUF file"),
+        ("chat", ["model=/nonexistent/dir", "prompt=hi"], "ftctl: error: model=/nonexistent/dir: no such dir, alias or hub id"),
+        ("chat", ["model=m", "chat_template={% if %}", "prompt=hi"], "chat_template is not a valid Jinja template"),
         ("generate", ["model=m", "input=a.jsonl"], "generate needs output=FILE"),
         ("generate", ["model=m", "input=/nonexistent.jsonl", "output=/tmp/ftctl-never.jsonl"], "data file not found"),
     ],

@@ -75,3 +75,27 @@ def test_missing_model_is_a_message(tmp_path):
     assert done.returncode == 1
     assert "no such dir, alias or hub id" in done.stderr and "Traceback" not in done.stderr
     assert not (tmp_path / "r").exists()  # nothing half-written
+
+
+def test_every_command_has_its_own_help_and_usage_errors(capsys):
+    import pytest
+
+    from ftctl.cli import build_parser, main
+
+    for name in build_parser().command_parsers:
+        with pytest.raises(SystemExit) as done:
+            main([*name.split(), "--help"])
+        assert done.value.code == 0
+        assert capsys.readouterr().out.startswith(f"usage: ftctl {name} "), name
+    with pytest.raises(SystemExit) as done:
+        main(["train", "recipe=tiny_lora", "--dryrun"])
+    assert done.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: ftctl train ") and "commands:" not in err
+    assert "ftctl train: error: unrecognized arguments: --dryrun Did you mean '--dry-run'?" in err
+
+
+def test_output_piped_into_a_reader_that_quits_is_not_an_error():
+    # `true` exits without reading, so ftctl's first flush meets a closed pipe.
+    proc = subprocess.run(f"'{sys.executable}' -m ftctl config-docs | true", shell=True, capture_output=True, text=True)
+    assert proc.stderr == "", proc.stderr

@@ -58,6 +58,10 @@ def test_group_override_after_recipe_wins():
         ("data.max_seq_len=4", "data.max_seq_len=4 is too small"),
         ("train.global_batch_size=6", "must be a multiple of train.micro_batch_size"),
         ("train.lr", "write key=value"),
+        ("train.learning_rate=1e-4", "unknown config key 'train.learning_rate'. ftctl's name for it: train.lr."),
+        ("lora_r=8", "ftctl's name for it: method.r."),
+        ("lr=1e-4", "unknown config key 'lr'. Did you mean 'train.lr'?"),
+        ("bf16=true", "ftctl's name for it: precision=bf16."),
     ],
 )
 def test_bad_overrides_give_one_clear_message(override, expected):
@@ -65,6 +69,12 @@ def test_bad_overrides_give_one_clear_message(override, expected):
         compose_config(["recipe=tiny_lora", override])
     assert expected in str(info.value)
     assert "\n" not in str(info.value)
+
+
+def test_a_list_key_takes_one_name_or_a_comma_separated_list():
+    assert compose_config(["recipe=tiny_lora", "method.target_modules=q_proj"]).method.target_modules == ["q_proj"]
+    assert compose_config(["recipe=tiny_lora", "method.target_modules=q_proj,v_proj"]).method.target_modules == ["q_proj", "v_proj"]
+    assert compose_config(["recipe=tiny_lora", "method.target_modules=[k_proj]"]).method.target_modules == ["k_proj"]
 
 
 def test_unknown_key_in_a_recipe_file_names_the_key(tmp_path, monkeypatch):

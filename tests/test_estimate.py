@@ -7,6 +7,7 @@ import dataclasses
 import functools
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -16,7 +17,7 @@ import pytest
 from ftctl.cli import main
 from ftctl.config.compose import compose_config
 from ftctl.errors import ConfigError
-from ftctl.estimate import estimate_for
+from ftctl.estimate import estimate_for, format_table
 
 LLAMA2_7B_PARAMETERS = 6_738_415_616  # as published for meta-llama/Llama-2-7b-hf
 
@@ -133,12 +134,44 @@ def test_estimate_needs_an_architecture_not_weights(capsys, tmp_path):
     assert not (Path(os.environ["FTCTL_HOME"]) / "models" / "smollm2-135m-instruct").exists()
 
 
+def test_the_readme_shows_what_estimate_prints():
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    block = readme.split("`ftctl estimate recipe=llama7b_full precision=fp32`:")[1].split("```")[1]
+    table = format_table(estimate_for(compose_config(["recipe=llama7b_full", "precision=fp32"])))
+    for line in block.strip().splitlines():
+        assert line.split("  (")[0].rstrip() in table, line  # the README adds remarks in parentheses
+
+
 def test_dry_run_prints_the_plan_and_memory_without_training(capsys, tmp_path):
     out = tmp_path / "never"
     assert main(["train", "recipe=llama7b_qlora", f"output_dir={out}", "--dry-run"]) == 0
     text = capsys.readouterr().out
     assert "plan (dry run" in text and "method     qlora r=64" in text and "global 32 = micro 4" in text
     assert "weights" in text and "total" in text and "<- this run" in text
+    assert not out.exists()
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["data.path=/nonexistent/x.jsonl"], r"data.path=/nonexistent/x.jsonl: no such file"),
+        (["model.name_or_path=/nonexistent/model"], r"no such dir, alias or hub id"),
+        (["data.format=alpacca"], r"Did you mean 'alpaca'\?"),
+        (["train.optimizer=paged_adamw_8bit"], r"needs a CUDA device"),
+        (["parallel=zero2", "parallel.nproc_per_node=2", "precision=fp16"], r"DeepSpeed's fp16 mode .* runs only on GPUs"),
+        (["model.attn_implementation=flash_attention_2"], r"flash_attention_2 runs only on CUDA GPUs"),
+    ],
+    ids=lambda v: " ".join(v) if isinstance(v, list) else None,
+)
+def test_dry_run_refuses_what_a_real_run_here_would(overrides, message, capsys, tmp_path):
+    from ftctl.estimate import nvidia_gpu_visible
+
+    if nvidia_gpu_visible() and "GPU" in message:
+        pytest.skip("a refusal of CPU-only machines")
+    out = tmp_path / "never"
+    assert main(["train", "recipe=tiny_lora", f"output_dir={out}", *overrides, "--dry-run"]) in (1, 2)
+    err = capsys.readouterr().err
+    assert err.startswith("ftctl: error: ") and re.search(message, err), err
     assert not out.exists()
 
 

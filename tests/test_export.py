@@ -276,6 +276,7 @@ def test_unsupported_architectures_and_features_are_refused(tmp_path, capsys):
         (["model=m", "format=gguf", "output=x.gguf", "dtype=float16"], "dtype does not apply to format=gguf"),
         (["model=m", "format=hf", "output=x", "shard_size=lots"], "shard_size=lots: write a size such as 2GB"),
         (["model=m", "format=gguf", "output=x.bin"], "give it a name ending in .gguf"),
+        (["model=m", "format=hf", "output=x.gguf"], "format=hf writes a model dir; for one GGUF file use format=gguf"),
         (["model=m", "format=gguf", "outptu=x.gguf"], "unknown export option 'outptu'. Did you mean 'output'?"),
         (["model=m", "format=hf", "output=x", "overwrite=maybe"], "overwrite=maybe: expected true or false"),
     ],

@@ -185,6 +185,13 @@ def test_paged_optimizers_are_a_config_error_off_cuda(make_cfg, name):
         build_optimizer(torch.nn.Linear(4, 4), cfg, CPU)
 
 
+@pytest.mark.parametrize("method", ["full", "lora"])
+def test_adamw_8bit_trains_every_method(make_cfg, run_training, method):
+    _, metrics = run_training(make_cfg(f"method={method}", "train.optimizer=adamw_8bit", "train.max_steps=8"))
+    losses = [m["loss"] for m in metrics if "loss" in m]
+    assert len(losses) == 8 and losses[-1] < losses[0] - 0.1
+
+
 def test_adamw_8bit_keeps_8bit_state_and_decays_only_matrices(make_cfg):
     import bitsandbytes as bnb
 

@@ -429,7 +429,7 @@ def test_torchrun_arguments(common, tmp_path):
 
 
 def test_process_place_from_launcher_environments():
-    from ftctl.parallel.distributed import first_slurm_host, inside_launcher, process_place
+    from ftctl.parallel.place import first_slurm_host, inside_launcher, process_place
 
     torchrun = {"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "MASTER_ADDR": "n0", "MASTER_PORT": "29400"}
     assert process_place(torchrun) == process_place(torchrun).__class__(3, 8, 1, "n0", 29400, "torchrun")

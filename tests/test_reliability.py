@@ -6,6 +6,7 @@ import json
 import os
 import random
 import signal
+import shutil
 import subprocess
 import sys
 import time
@@ -105,6 +106,21 @@ def test_resume_refuses_a_changed_config_and_allows_cosmetic_changes(make_cfg, r
         prepare_run_dir(make_cfg("train.max_steps=4"))
 
 
+def test_resume_auto_without_a_checkpoint(make_cfg, run_training):
+    from ftctl.training.run_dir import prepare_run_dir
+
+    # A run stopped before its first checkpoint starts over cleanly: no metrics of the old attempt stay.
+    first, _ = run_training(make_cfg("train.max_steps=2"))
+    shutil.rmtree(first.run_dir / "final")
+    _, metrics = run_training(make_cfg("train.max_steps=3", "resume=auto"))
+    assert [m["step"] for m in metrics if "loss" in m] == [1, 2, 3]
+    # A finished run without checkpoints is never overwritten by resume=auto.
+    final = (first.run_dir / "final" / "adapter_model.safetensors").read_bytes()
+    with pytest.raises(FtctlError, match=r"holds a finished run \(final/\) and no checkpoint"):
+        prepare_run_dir(make_cfg("train.max_steps=2", "train.lr=1e-3", "resume=auto"))
+    assert (first.run_dir / "final" / "adapter_model.safetensors").read_bytes() == final
+
+
 def test_overwrite_starts_over(make_cfg, run_training):
     first, _ = run_training(make_cfg("train.max_steps=4", "train.save_every=2"))
     second, metrics = run_training(make_cfg("train.max_steps=2", "overwrite=true"))
@@ -169,8 +185,6 @@ def test_configs_cannot_instantiate_objects():
 
 
 def test_remote_code_is_not_run_unless_allowed(tmp_path, tiny_model_dir):
-    import shutil
-
     from ftctl.config.schema import ModelConfig
     from ftctl.models.loading import load_causal_lm
 

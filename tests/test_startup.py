@@ -37,6 +37,7 @@ def run_cli(*argv, env=None):
         (["config-docs"], 0),
         (["train", "recipe=tiny_lora", "--cfg"], 0),
         (["train", "recipe=llama7b_lora", "--dry-run"], 0),
+        (["train", "recipe=tiny_lora", "data.path=/nonexistent.jsonl", "--dry-run"], 1),  # a preflight refusal
         (["estimate", "recipe=llama7b_qlora", "--json"], 0),
         (["train", "recipe=tiny_lora", "train.lr=-1"], 2),  # a config error
         (["train", "recipe=tiny_lora", "train.lrr=1e-4"], 2),  # an unknown key

@@ -72,6 +72,41 @@ def list_recipes() -> List[Dict[str, str]]:
     return recipes
 
 
+#: Names other fine-tuning tools (transformers' TrainingArguments, axolotl, LLaMA-Factory, TRL) give
+#: to ftctl settings: an unknown key whose last part is one of these is pointed at ftctl's spelling.
+OTHER_TOOLS_NAMES = {
+    "learning_rate": "train.lr", "lr_scheduler_type": "train.min_lr_ratio (cosine decay to it)",
+    "batch_size": "train.micro_batch_size", "per_device_train_batch_size": "train.micro_batch_size",
+    "gradient_accumulation_steps": "train.global_batch_size (accumulation = global ÷ (micro × world size))",
+    "num_epochs": "train.max_steps", "num_train_epochs": "train.max_steps", "warmup_ratio": "train.warmup_steps",
+    "logging_steps": "train.log_every", "save_steps": "train.save_every", "eval_steps": "train.eval_every",
+    "save_total_limit": "train.keep_last", "optim": "train.optimizer",
+    "lora_r": "method.r", "lora_rank": "method.r", "lora_alpha": "method.alpha", "lora_dropout": "method.dropout",
+    "lora_target_modules": "method.target_modules", "lora_target": "method.target_modules",
+    "sequence_len": "data.max_seq_len", "max_seq_length": "data.max_seq_len", "cutoff_len": "data.max_seq_len",
+    "sample_packing": "data.packing", "val_set_size": "data.eval_fraction", "datasets": "data.path",
+    "dataset": "data.path", "template": "data.chat_template",
+    "base_model": "model.name_or_path", "model_name_or_path": "model.name_or_path",
+    "bf16": "precision=bf16", "fp16": "precision=fp16", "load_in_4bit": "method=qlora",
+    "deepspeed": "parallel=zero1, zero2 or zero3", "fsdp": "parallel=fsdp",
+}
+
+
+def _unknown_key_hint(key: str, fields) -> str:
+    name = key.rsplit(".", 1)[-1]
+    placed = [k for k in fields if k.rsplit(".", 1)[-1] == name]
+    if len(placed) == 1:  # an ftctl name in the wrong section, or without one
+        return f" Did you mean '{placed[0]}'?"
+    if name in OTHER_TOOLS_NAMES:
+        return f" ftctl's name for it: {OTHER_TOOLS_NAMES[name]}."
+    section = key.split(".")[0]
+    same_section = [k for k in fields if k.startswith(section + ".")]
+    hint = did_you_mean(key, same_section or fields)
+    if not hint and section in GROUPS and "." not in key:
+        hint = f" '{section}' is a group; choose one of: {', '.join(group_options(section))}"
+    return hint
+
+
 def _check_override(raw: str, fields: Dict[str, dataclasses.Field]) -> str:
     """Check one `key=value` against the schema and the recipe tree; return it in Hydra's spelling."""
     match = _OVERRIDE.match(raw)
@@ -93,12 +128,9 @@ def _check_override(raw: str, fields: Dict[str, dataclasses.Field]) -> str:
             )
         return f"recipe@_global_={value}" if key == "recipe" else raw
     if key not in fields:
-        section = key.split(".")[0]
-        same_section = [k for k in fields if k.startswith(section + ".")]
-        hint = did_you_mean(key, same_section or fields)
-        if not hint and section in GROUPS and "." not in key:
-            hint = f" '{section}' is a group; choose one of: {', '.join(group_options(section))}"
-        raise ConfigError(f"unknown config key '{key}'.{hint} (`ftctl config-docs` lists every key)")
+        raise ConfigError(f"unknown config key '{key}'.{_unknown_key_hint(key, fields)} (`ftctl config-docs` lists every key)")
+    if str(fields[key].type).startswith("List[") and not value.startswith("[") and value != "null":
+        return f"{key}=[{value}]"  # one name, or a comma-separated list, means the list of them
     return raw
 
 

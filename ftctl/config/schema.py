@@ -29,7 +29,7 @@ class ModelConfig:
     tokenizer: Optional[str] = option(None, "Tokenizer dir or id when it differs from the model's.")
     revision: Optional[str] = option(None, "Hub revision (branch, tag or commit) to load.")
     trust_remote_code: bool = option(False, "Allow the model repo's own Python code to run. Off unless set.")
-    attn_implementation: str = option("sdpa", "Attention kernel: sdpa, eager, or flash_attention_2 on GPUs.")
+    attn_implementation: str = option("sdpa", "Attention kernel: sdpa, eager, or flash_attention_2/3 on GPUs (needs flash-attn).")
 
 
 @dataclass
@@ -146,3 +146,4 @@ class RunConfig:
 METHODS = ("full", "lora", "qlora", "dora")
 PARALLEL_BACKENDS = ("single", "ddp", "fsdp", "zero1", "zero2", "zero3")
 PRECISIONS = ("fp32", "bf16", "fp16", "auto")
+ATTENTION_KERNELS = ("sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention")

@@ -5,13 +5,25 @@ All of them run before torch is imported, so a mistake costs a message, not a mo
 
 from __future__ import annotations
 
-from ftctl.config.schema import METHODS, PARALLEL_BACKENDS, PRECISIONS, RunConfig
+from ftctl.config.schema import ATTENTION_KERNELS, METHODS, PARALLEL_BACKENDS, PRECISIONS, RunConfig
 from ftctl.errors import ConfigError, did_you_mean
 
 
 def _choice(key: str, value: str, choices) -> None:
     if value not in choices:
         raise ConfigError(f"{key}='{value}' is not one of {', '.join(choices)}.{did_you_mean(value, choices)}")
+
+
+def check_chat_template(key: str, template: str) -> None:
+    """A template transformers would fail to compile is a message now, not a traceback at tokenization."""
+    import jinja2
+    from jinja2.ext import loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    try:  # the environment transformers renders chat templates in
+        ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols]).parse(template)
+    except jinja2.TemplateSyntaxError as exc:
+        raise ConfigError(f"{key} is not a valid Jinja template: {exc.message} (template line {exc.lineno})") from None
 
 
 def _positive(key: str, value, *, allow_zero: bool = False) -> None:
@@ -49,10 +61,14 @@ def validate(cfg: RunConfig) -> None:
     _positive("train.log_every", t.log_every)
     if not 0.0 <= t.min_lr_ratio <= 1.0:
         raise ConfigError(f"train.min_lr_ratio={t.min_lr_ratio} must be in [0, 1]")
-    _choice("train.optimizer", t.optimizer, ("adamw", "paged_adamw_8bit", "paged_adamw_32bit", "adamw_8bit"))
-    if t.optimizer != "adamw" and m.name != "qlora":
-        raise ConfigError(f"train.optimizer={t.optimizer} is a bitsandbytes optimizer for method=qlora; use adamw")
+    _choice("train.optimizer", t.optimizer, ("adamw", "adamw_8bit", "paged_adamw_8bit", "paged_adamw_32bit"))
 
+    _choice("model.attn_implementation", cfg.model.attn_implementation, ATTENTION_KERNELS)
+    from data_formats import get_format
+
+    get_format(d.format)
+    if d.chat_template:
+        check_chat_template("data.chat_template", d.chat_template)
     if d.max_seq_len < 16:
         raise ConfigError(f"data.max_seq_len={d.max_seq_len} is too small to hold a prompt and an answer (>= 16)")
     if not 0.0 <= d.eval_fraction < 1.0:

@@ -77,13 +77,13 @@ def held_out_examples(path: str | Path, data_format: Optional[str], system_promp
 def resolve_targets(model: Optional[str], adapter: Optional[str]) -> Tuple[Optional[str], Optional[Path]]:
     """(base model name or dir, or None for the adapter's own base; adapter dir or None). A run dir stands for its final/."""
     adapter_dir = _adapter_dir(adapter, "adapter") if adapter else None
-    if model and adapter_dir is None:
+    if model:
         path = Path(model).expanduser()
         result = path / "final" if (path / "final").is_dir() else path
-        if (result / "adapter_config.json").is_file() and not (result / "config.json").is_file():
+        if adapter_dir is None and (result / "adapter_config.json").is_file() and not (result / "config.json").is_file():
             adapter_dir, model = result, None  # model= given an adapter result: evaluate it on its base
         elif (result / "config.json").is_file():
-            model = str(result)
+            model = str(result)  # a model dir, or a full fine-tune's run dir: its final/
     if model is None and adapter_dir is None:
         raise FtctlError("say what to evaluate: model=NAME_OR_DIR and/or adapter=RUN_OR_ADAPTER_DIR")
     return model, adapter_dir
@@ -113,12 +113,12 @@ def load_model(model: Optional[str], adapter_dir: Optional[Path] = None):
     if adapter_dir is not None:
         from ftctl.merging import merge_adapter
 
-        return merge_adapter(adapter_dir, base=model)
+        return merge_adapter(adapter_dir, base=model, base_key="model")
     if model.lower().endswith(".gguf"):
         from ftctl.models.gguf_import import load_gguf
 
         return load_gguf(Path(model).expanduser())
-    model_path = resolve_model_path(model)
+    model_path = resolve_model_path(model, key="model")
     tokenizer = load_tokenizer(ModelConfig(name_or_path=model), model_path)
     return load_causal_lm(ModelConfig(name_or_path=model), model_path, dtype=torch.float32), tokenizer
 

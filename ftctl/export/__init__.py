@@ -92,10 +92,12 @@ def _check_output(req: ExportRequest) -> Path:
     else:
         from ftctl.merging import check_output_dir
 
+        if output.suffix.lower() == ".gguf":
+            raise FtctlError(f"output={output}: format=hf writes a model dir; for one GGUF file use format=gguf")
         check_output_dir(output, req.overwrite)
-    source = Path(req.model).expanduser().absolute()
-    if output == source or output in source.parents:
-        raise FtctlError("output= must not be model= or a dir holding it: the export would replace what it reads")
+    from ftctl.merging import refuse_output_over_inputs
+
+    refuse_output_over_inputs(output, model=req.model, base=req.base)
     return output
 
 

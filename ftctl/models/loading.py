@@ -13,19 +13,22 @@ from ftctl.models.aliases import aliases, is_alias, resolve_alias
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
-def resolve_model_path(name_or_path: str) -> str:
-    """A local dir for aliases and paths; a hub id is passed through for transformers to fetch."""
+def resolve_model_path(name_or_path: str, key: str = "model.name_or_path") -> str:
+    """A local dir for aliases and paths; a hub id is passed through for transformers to fetch.
+
+    ``key`` is what the user set, for the message when there is no such model.
+    """
     if is_alias(name_or_path):
         return str(resolve_alias(name_or_path))
     path = Path(name_or_path).expanduser()
     if path.exists():
         if not (path / "config.json").is_file():
-            raise FtctlError(f"model.name_or_path={name_or_path}: {path} is not a model dir (no config.json)")
+            raise FtctlError(f"{key}={name_or_path}: {path} is not a model dir (no config.json)")
         return str(path.resolve())
     if _HUB_ID.match(name_or_path) and not name_or_path.startswith((".", "/", "~")):
         return name_or_path
     known = ", ".join(sorted(aliases()))
-    raise FtctlError(f"model.name_or_path={name_or_path}: no such dir, alias or hub id (aliases: {known})")
+    raise FtctlError(f"{key}={name_or_path}: no such dir, alias or hub id (aliases: {known})")
 
 
 def load_tokenizer(model_cfg: ModelConfig, model_path: str):

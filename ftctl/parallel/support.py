@@ -45,9 +45,30 @@ def config_refusal(cfg) -> Optional[str]:
     return None
 
 
+#: The package each flash-attention kernel of transformers imports.
+FLASH_ATTENTION_PACKAGES = {"flash_attention_2": "flash_attn", "flash_attention_3": "flash_attn_interface"}
+
+
+def optimizer_refusal(optimizer: str, device_type: str) -> Optional[str]:
+    if optimizer.startswith("paged_") and device_type != "cuda":
+        return (f"train.optimizer={optimizer} needs a CUDA device: bitsandbytes pages optimizer state through "
+                f"CUDA unified memory, which {device_type} does not have; use train.optimizer=adamw_8bit or adamw")
+    return None
+
+
 def device_refusal(cfg, device_type: str) -> Optional[str]:
     """A reason this config cannot run on ``device_type`` ('cuda' or 'cpu'), or None."""
     p = cfg.parallel
+    kernel = cfg.model.attn_implementation
+    if kernel in FLASH_ATTENTION_PACKAGES:
+        if device_type != "cuda":
+            return f"model.attn_implementation={kernel} runs only on CUDA GPUs; use sdpa (the default) on {device_type.upper()}"
+        if importlib.util.find_spec(FLASH_ATTENTION_PACKAGES[kernel]) is None:
+            return (f"model.attn_implementation={kernel} needs the {FLASH_ATTENTION_PACKAGES[kernel]} package, "
+                    f"which is not installed; install flash-attn or use sdpa")
+    refusal = optimizer_refusal(cfg.train.optimizer, device_type)
+    if refusal:
+        return refusal
     if p.name in ZERO_STAGES:
         if importlib.util.find_spec("deepspeed") is None:
             return f"parallel={p.name} needs DeepSpeed: pip install 'ftctl[deepspeed]'"

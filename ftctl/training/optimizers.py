@@ -31,11 +31,11 @@ def build_optimizer(model: torch.nn.Module, cfg: RunConfig, device: torch.device
     if t.optimizer == "adamw":
         on_cpu = all(p.device.type == "cpu" for g in groups for p in g["params"])
         return torch.optim.AdamW(groups, foreach=not on_cpu, **common)
-    if t.optimizer.startswith("paged_") and device.type != "cuda":
-        raise ConfigError(
-            f"train.optimizer={t.optimizer} needs a CUDA device: bitsandbytes pages optimizer state through "
-            f"CUDA unified memory, which {device.type} does not have; use train.optimizer=adamw_8bit or adamw"
-        )
+    from ftctl.parallel.support import optimizer_refusal
+
+    refusal = optimizer_refusal(t.optimizer, device.type)
+    if refusal:
+        raise ConfigError(refusal)
     try:
         import bitsandbytes.optim as bnb_optim
     except ImportError as exc:

@@ -9,6 +9,7 @@ from pathlib import Path
 from ftctl.config.compose import load_resolved, to_yaml
 from ftctl.config.schema import RunConfig
 from ftctl.errors import FtctlError
+from ftctl.preflight import check_files
 from ftctl.training.checkpoint import STATE_FILE, complete_checkpoints
 
 CONFIG_FILE = "config.yaml"
@@ -16,25 +17,16 @@ CONFIG_FILE = "config.yaml"
 RUN_OUTPUTS = ("checkpoints", "final", "metrics.jsonl", "tensorboard", "train.log", CONFIG_FILE)
 
 
-def preflight(cfg: RunConfig) -> None:
-    """Cheap checks of the files a run needs, so a typo fails before anything is written."""
-    from ftctl.models.aliases import is_alias
-    from ftctl.models.loading import resolve_model_path
-
-    if not is_alias(cfg.model.name_or_path):
-        resolve_model_path(cfg.model.name_or_path)
-    for key, value in (("data.path", cfg.data.path), ("data.eval_path", cfg.data.eval_path)):
-        if value and not Path(value).expanduser().is_file():
-            raise FtctlError(f"{key}={value}: no such file")
-
-
 def prepare_run_dir(cfg: RunConfig) -> Path:
     """Create or reuse the run dir under the rules of a fresh start, overwrite=true or resume."""
-    preflight(cfg)
+    check_files(cfg)
     run_dir = Path(cfg.output_dir).expanduser()
     occupied = run_dir.exists() and any(run_dir.iterdir())
     if cfg.resume:
-        _check_resumable(cfg, run_dir)
+        continuing = _check_resumable(cfg, run_dir)
+        if occupied and not continuing:
+            # resume=auto found no checkpoint: what is there is a run stopped before its first one.
+            _delete_run_outputs(run_dir)
     elif occupied and not cfg.overwrite:
         resumable = bool(complete_checkpoints(run_dir))
         raise FtctlError(
@@ -43,9 +35,7 @@ def prepare_run_dir(cfg: RunConfig) -> Path:
             + "choose another output_dir, or pass overwrite=true to start over (its checkpoints and results are deleted)"
         )
     elif occupied:
-        for child in RUN_OUTPUTS:
-            target = run_dir / child
-            shutil.rmtree(target) if target.is_dir() else target.unlink(missing_ok=True)
+        _delete_run_outputs(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / CONFIG_FILE).write_text(to_yaml(cfg))
     return run_dir
@@ -56,19 +46,29 @@ def discard_unstarted_run(run_dir: Path) -> None:
     started = (run_dir / "metrics.jsonl").is_file() and (run_dir / "metrics.jsonl").stat().st_size > 0
     if started or (run_dir / "checkpoints").exists() or (run_dir / "final").exists():
         return
-    for child in RUN_OUTPUTS:
-        target = run_dir / child
-        shutil.rmtree(target, ignore_errors=True) if target.is_dir() else target.unlink(missing_ok=True)
+    _delete_run_outputs(run_dir)
     if run_dir.is_dir() and not any(run_dir.iterdir()):
         run_dir.rmdir()
 
 
-def _check_resumable(cfg: RunConfig, run_dir: Path) -> None:
+def _delete_run_outputs(run_dir: Path) -> None:
+    for child in RUN_OUTPUTS:
+        target = run_dir / child
+        shutil.rmtree(target, ignore_errors=True) if target.is_dir() else target.unlink(missing_ok=True)
+
+
+def _check_resumable(cfg: RunConfig, run_dir: Path) -> bool:
+    """Whether the run continues from a checkpoint; raises when it must not start at all."""
     from ftctl.training.resume import config_differences, resume_checkpoint
 
     ckpt = resume_checkpoint(cfg, run_dir)
-    if ckpt is None:
-        return  # resume=auto with nothing to resume: a fresh start, as a preemptible job expects
+    if ckpt is None:  # resume=auto with no checkpoint: a fresh start, as a preemptible job expects...
+        if (run_dir / "final").exists():  # ...unless a finished run's result would be overwritten
+            raise FtctlError(
+                f"output_dir {run_dir} holds a finished run (final/) and no checkpoint to resume from; "
+                "choose another output_dir, or pass overwrite=true instead of resume=auto to start over"
+            )
+        return False
     source = ckpt.parent.parent / CONFIG_FILE
     if source.is_file():
         differing = config_differences(load_resolved(source), cfg)
@@ -82,3 +82,4 @@ def _check_resumable(cfg: RunConfig, run_dir: Path) -> None:
     if metrics.is_file():  # drop lines of steps that will be trained again
         kept = [line for line in metrics.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= step]
         metrics.write_text("".join(line + "\n" for line in kept))
+    return True

@@ -1,0 +1,45 @@
+"""What `ftctl train` checks after the config validated and before it writes or starts anything.
+
+Torch-free, so ``--dry-run`` runs the same checks as a real run: the files the config names, the
+method × backend × precision × device combination, and the rules of multi-node launches.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional, Sequence
+
+from ftctl.config.schema import RunConfig
+from ftctl.errors import ConfigError, FtctlError
+
+
+def check_files(cfg: RunConfig) -> None:
+    """Cheap checks of the files a run needs, so a typo fails before anything is written."""
+    from ftctl.models.aliases import is_alias
+    from ftctl.models.loading import resolve_model_path
+
+    if not is_alias(cfg.model.name_or_path):
+        resolve_model_path(cfg.model.name_or_path)
+    for key, value in (("data.path", cfg.data.path), ("data.eval_path", cfg.data.eval_path)):
+        if value and not Path(value).expanduser().is_file():
+            raise FtctlError(f"{key}={value}: no such file")
+
+
+def check_launch(cfg: RunConfig, overrides: Sequence[str], device_type: Optional[str] = None) -> None:
+    """What must hold for this run on this machine (``device_type`` 'cuda' or 'cpu'; None asks torch)."""
+    from ftctl.parallel.place import inside_launcher
+    from ftctl.parallel.support import check_supported
+
+    check_supported(cfg, device_type)
+    if cfg.parallel.nnodes > 1 and not inside_launcher() and not any(o.startswith("output_dir=") for o in overrides):
+        raise ConfigError(
+            "a multi-node run needs an explicit output_dir=... on every node (on a filesystem they share): "
+            "the default, timestamped one would differ from node to node"
+        )
+
+
+def visible_device_type() -> str:
+    """The device a run here would train on, as far as it can be told without importing torch."""
+    from ftctl.estimate import nvidia_gpu_visible
+
+    return "cuda" if nvidia_gpu_visible() else "cpu"
