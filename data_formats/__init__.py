@@ -73,6 +73,19 @@ def guess_format(record: Dict[str, Any]) -> List[str]:
     return [name for name in available() if _REGISTRY[name].looks_like(record)]
 
 
+def other_format_hint(record: Dict[str, Any], tried: str) -> str:
+    """' The record reads as data.format=X.' for another format that converts it, or ''."""
+    for name in guess_format(record):
+        if name == tried:
+            continue
+        try:
+            _REGISTRY[name]().to_messages(record)
+        except FormatError:
+            continue
+        return f" The record reads as data.format={name}."
+    return ""
+
+
 def require_text(record: Dict[str, Any], key: str, *, optional: bool = False) -> str:
     value = record.get(key)
     if value is None:

@@ -1,4 +1,9 @@
-"""ShareGPT: ``conversations`` of ``{from, value}``; also OpenAI-style ``messages`` of ``{role, content}``."""
+"""ShareGPT: ``conversations`` of ``{from, value}``; also OpenAI-style ``messages`` of ``{role, content}``.
+
+A turn's text is a string, or OpenAI's list of content parts (its text parts are joined). An
+assistant turn with ``"weight": 0`` (axolotl's convention) stays in the conversation as context
+but is not trained.
+"""
 
 from __future__ import annotations
 
@@ -32,11 +37,26 @@ class ShareGPT(DataFormat):
             role = SHAREGPT_ROLES.get(str(turn[role_key]).lower())
             if role is None:
                 raise FormatError(f"turn {i}: unknown speaker '{turn[role_key]}' (use system, human or gpt)")
-            if not isinstance(turn[text_key], str):
-                raise FormatError(f"turn {i}: '{text_key}' must be a string")
+            text = _text(turn[text_key], i, text_key)
             if role == "system" and i != 0:
                 raise FormatError(f"turn {i}: a system message may only open the conversation")
-            messages.append({"role": role, "content": turn[text_key]})
+            message = {"role": role, "content": text}
+            if role == "assistant" and turn.get("weight", 1) == 0:
+                message["train"] = False
+            messages.append(message)
         if not any(m["role"] == "assistant" for m in messages):
             raise FormatError("the conversation has no assistant (gpt) turn to train on")
         return messages
+
+
+def _text(content, i: int, text_key: str) -> str:
+    if isinstance(content, str):
+        return content
+    if content is None:
+        raise FormatError(f"turn {i}: '{text_key}' is null (a tool call?); ftctl trains on text turns only")
+    if isinstance(content, list) and all(isinstance(part, dict) for part in content):
+        kinds = {part.get("type") for part in content}
+        if kinds - {"text"}:
+            raise FormatError(f"turn {i}: content parts of type {', '.join(sorted(map(str, kinds - {'text'})))}; ftctl trains on text only")
+        return "".join(str(part.get("text", "")) for part in content)
+    raise FormatError(f"turn {i}: '{text_key}' must be a string (or a list of text parts)")

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import os
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional, TextIO
 
@@ -24,7 +24,7 @@ _MODEL_OPTIONS = {
     "model": "model alias, dir, hub id or .gguf file; a run dir, its final/ or a checkpoint dir (adapters are merged)",
     "adapter": "LoRA/DoRA/QLoRA result dir to merge into model= (or into the base its adapter_config.json names)",
     "chat_template": "Jinja chat template overriding the tokenizer's",
-    "system": "system message opening every conversation",
+    "system": "system message opening every conversation (default: the one the run trained with; system= for none)",
     "max_new_tokens": "tokens generated per answer at most (default 256)",
     "temperature": "0 (default) decodes greedily; above 0 samples",
     "top_p": "sampling: keep the smallest set of tokens with this much probability (default 1.0)",
@@ -64,6 +64,15 @@ def decoding_from_options(options: Dict[str, str]) -> Decoding:
     if decoding.top_p == 0:
         raise FtctlError("top_p=0 keeps no token; use a value above 0 (or temperature=0 for greedy decoding)")
     return decoding
+
+
+def system_prompt(options: Dict[str, str]) -> Optional[str]:
+    """system= when given (empty for none), else the system prompt the run behind model=/adapter= trained with."""
+    if "system" in options:
+        return options["system"] or None
+    from ftctl.evaluation.evaluate import trained_system_prompt
+
+    return trained_system_prompt(options.get("adapter"), options.get("model"))
 
 
 def load_chat_model(options: Dict[str, str]):
@@ -127,7 +136,7 @@ def run_chat(options: Dict[str, str], stdin: Optional[TextIO] = None, stdout: Op
     stdin, stdout, stderr = stdin or sys.stdin, stdout or sys.stdout, stderr or sys.stderr
     decoding = decoding_from_options(options)
     model, tokenizer = load_chat_model(options)
-    session = ChatSession(model, tokenizer, decoding, options.get("system"))
+    session = ChatSession(model, tokenizer, decoding, system_prompt(options))
     if "prompt" in options:
         print(session.ask(options["prompt"]), file=stdout)
         return 0
@@ -169,6 +178,7 @@ class PromptItem:
     source: str
     prompt: Optional[object] = None  # the record's own 'prompt' field, echoed back
     reference: Optional[str] = None  # the record's answer, when it carried one
+    extra: Dict[str, object] = field(default_factory=dict)  # the record's other fields (an id, ...), passed through
 
 
 def _prompt_messages(value, source: str, system: Optional[str]) -> Messages:
@@ -197,7 +207,9 @@ def read_prompts(path: str, data_format: Optional[str] = None, system: Optional[
         for record in records:
             if "prompt" not in record.data:
                 raise FtctlError(f"{record.source}: no 'prompt' field (the file's first record has one)")
-            items.append(PromptItem(_prompt_messages(record.data["prompt"], record.source, system), record.source, record.data["prompt"]))
+            extra = {key: value for key, value in record.data.items() if key != "prompt"}
+            items.append(PromptItem(_prompt_messages(record.data["prompt"], record.source, system), record.source,
+                                    record.data["prompt"], extra=extra))
         return items
     from ftctl.evaluation.evaluate import held_out_examples
 
@@ -218,7 +230,7 @@ def run_generate(options: Dict[str, str]) -> dict:
         raise FtctlError(f"output={output} exists; choose another file or pass overwrite=true")
     decoding = decoding_from_options(options)
     batch_size = number_option(options, "batch_size", int, 16, 1)
-    items = read_prompts(options["input"], options.get("data.format"), options.get("system"))
+    items = read_prompts(options["input"], options.get("data.format"), system_prompt(options))
     model, tokenizer = load_chat_model(options)
 
     from ftctl.evaluation.generation import generate
@@ -229,7 +241,7 @@ def run_generate(options: Dict[str, str]) -> dict:
     try:
         with open(staging, "w", encoding="utf-8") as f:
             for item, text in zip(items, outputs):
-                row = {"source": item.source}
+                row = {**item.extra, "source": item.source}
                 if item.prompt is not None:
                     row["prompt"] = item.prompt
                 row["messages"] = item.messages

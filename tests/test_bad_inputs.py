@@ -23,7 +23,7 @@ CASES = {
     "missing_field": (lambda d: [f"data.path={write(d / 'x.jsonl', json.dumps({'instruction': 'a'}) + chr(10))}"],
                       r"x\.jsonl:1: not a valid 'alpaca' record: missing required field 'output'"),
     "wrong_format": (lambda d: [f"data.path={write(d / 'x.jsonl', json.dumps({'messages': [{'role': 'user', 'content': 'a'}, {'role': 'assistant', 'content': 'b'}]}) + chr(10))}"],
-                     r"looks like data.format=(sharegpt|openai)"),
+                     r"reads as data.format=(sharegpt|openai)"),
     "empty_dataset": (lambda d: [f"data.path={write(d / 'x.jsonl', '')}"], r"x\.jsonl: the file holds no examples"),
     "all_masked": (lambda d: [f"data.path={write(d / 'x.jsonl', json.dumps({'instruction': 'w ' * 60, 'output': 'x'}) + chr(10))}",
                               "data.max_seq_len=16"], r"every example was filtered out"),

@@ -97,7 +97,7 @@ def test_generate_writes_one_output_per_prompt(tiny_model_dir, tiny_lm, tmp_path
     from ftctl.cli import main
 
     prompts = tmp_path / "prompts.jsonl"
-    rows = [{"prompt": PROMPT}, {"prompt": "Add 2 and 3"},
+    rows = [{"id": "q1", "prompt": PROMPT}, {"prompt": "Add 2 and 3", "meta": {"split": "dev"}},
             {"prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}]}]
     prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = tmp_path / "out" / "answers.jsonl"
@@ -109,6 +109,7 @@ def test_generate_writes_one_output_per_prompt(tiny_model_dir, tiny_lm, tmp_path
     assert [w["messages"] for w in written] == messages
     assert [w["output"] for w in written] == greedy(tiny_lm, messages, 10)
     assert written[0]["source"].endswith("prompts.jsonl:1")
+    assert written[0]["id"] == "q1" and written[1]["meta"] == {"split": "dev"}  # the records' own fields pass through
 
     # Records of a data format: the prompt part is answered, the answer is kept as the reference.
     alpaca = tmp_path / "alpaca.jsonl"

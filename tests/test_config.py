@@ -58,6 +58,7 @@ def test_group_override_after_recipe_wins():
         ("data.max_seq_len=4", "data.max_seq_len=4 is too small"),
         ("train.global_batch_size=6", "must be a multiple of train.micro_batch_size"),
         ("train.lr", "write key=value"),
+        ("train.eval_every=2", "train.eval_every=2 but there is no eval data: set data.eval_path=FILE or data.eval_fraction"),
         ("train.learning_rate=1e-4", "unknown config key 'train.learning_rate'. ftctl's name for it: train.lr."),
         ("lora_r=8", "ftctl's name for it: method.r."),
         ("lr=1e-4", "unknown config key 'lr'. Did you mean 'train.lr'?"),

@@ -98,6 +98,36 @@ def test_multi_turn_masks_exactly_the_prompt(tokenizer):
     assert len(eos_positions) == 5  # system and user turns' EOS stay masked
 
 
+def test_only_assistant_turns_answering_a_user_train(tokenizer):
+    record = {"conversations": [
+        {"from": "gpt", "value": "Hello, how can I help?"},  # answers nobody: context
+        {"from": "human", "value": "Double 3."},
+        {"from": "gpt", "value": "5", "weight": 0},  # a wrong answer kept as context (axolotl's weight 0)
+        {"from": "human", "value": "Try again."},
+        {"from": "gpt", "value": "6"},
+    ]}
+    messages = get_format("sharegpt").to_messages(record)
+    example = tokenize_conversation(messages, tokenizer, max_seq_len=512)
+    assert [tokenizer.decode(s) for s in trained_spans(example.input_ids, example.labels)] == ["6<|im_end|>\n"]
+    assert tokenizer.decode(example.input_ids).startswith("<|im_start|>assistant\nHello, how can I help?")
+    everything = tokenize_conversation(messages, tokenizer, max_seq_len=512, train_on_prompt=True)
+    assert everything.labels == everything.input_ids == example.input_ids
+
+
+def test_openai_content_parts_are_joined_and_non_text_turns_refused():
+    openai = get_format("openai")
+    parts = [{"type": "text", "text": "Hello "}, {"type": "text", "text": "there"}]
+    assert openai.to_messages({"messages": [{"role": "user", "content": parts}, {"role": "assistant", "content": "hi"}]})[0] == {
+        "role": "user", "content": "Hello there"}
+    from data_formats import FormatError
+
+    with pytest.raises(FormatError, match="turn 1: 'content' is null"):
+        openai.to_messages({"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": None}]})
+    with pytest.raises(FormatError, match="content parts of type image_url"):
+        openai.to_messages({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]},
+                                         {"role": "assistant", "content": "x"}]})
+
+
 def test_train_on_prompt_trains_everything(tokenizer):
     messages = get_format("sharegpt").to_messages(MULTI_TURN)
     example = tokenize_conversation(messages, tokenizer, max_seq_len=512, train_on_prompt=True)
@@ -123,6 +153,35 @@ def test_fallback_template_trains_eos_even_when_pad_is_eos(plain_tokenizer):
     assert int(row[eos_at]) == tok.eos_token_id  # the real EOS is still a target...
     assert bool((row[n:] == IGNORE_INDEX).all())  # ...while EOS-valued padding is not
     assert int(batch.attention_mask[1].sum()) == n
+
+
+def test_multi_turn_works_when_the_tokenizer_merges_across_turn_boundaries(tiny_model_no_template_dir, tmp_path):
+    """SmolLM2's tokenizer (and GPT-2's) makes "\n\n" one token at the end of a text and two before "###":
+    the fallback template's renderings then do not extend each other as tokens, only as text."""
+    from transformers import AutoTokenizer
+
+    from ftctl.data.render import _ids, _turn_pieces
+
+    spec = json.loads((tiny_model_no_template_dir / "tokenizer.json").read_text())
+    merges, vocab = spec["model"]["merges"], spec["model"]["vocab"]
+    vocab["\u010a\u010a"] = 1 + max([*vocab.values(), *(t["id"] for t in spec["added_tokens"])])
+    merges.insert(0, ["\u010a", "\u010a"] if isinstance(merges[0], list) else "\u010a \u010a")
+    merging = tmp_path / "merging"
+    merging.mkdir()
+    for name in ("tokenizer_config.json", "special_tokens_map.json"):
+        if (tiny_model_no_template_dir / name).exists():
+            (merging / name).write_text((tiny_model_no_template_dir / name).read_text())
+    (merging / "tokenizer.json").write_text(json.dumps(spec))
+    tok = AutoTokenizer.from_pretrained(merging)
+    ensure_chat_template(tok)
+    assert tok.tokenize("a\n\n") == ["a", "\u010a\u010a"] and tok.tokenize("a\n\n###")[:3] == ["a", "\u010a", "\u010a"]
+
+    messages = get_format("sharegpt").to_messages(MULTI_TURN)
+    assert _turn_pieces(messages, lambda m, gen: _ids(tok, m, gen)) is None  # the token-prefix route fails here
+    example = tokenize_conversation(messages, tok, max_seq_len=512)
+    spans = [tok.decode(s) for s in trained_spans(example.input_ids, example.labels)]
+    assert spans == [f"6{tok.eos_token}\n\n", f"tac{tok.eos_token}\n\n"]
+    assert tok.decode(example.input_ids) == tok.apply_chat_template(messages, tokenize=False)
 
 
 def test_truncation_is_counted_and_fully_masked_examples_dropped(tmp_path, tokenizer):
@@ -164,6 +223,38 @@ def test_cache_is_keyed_by_content_tokenizer_template_and_settings(tmp_path, tok
     np.testing.assert_array_equal(hit.input_ids, changed.input_ids)
 
 
+def test_cache_is_keyed_by_the_format_code(tmp_path, tokenizer, monkeypatch):
+    import importlib
+    import sys
+
+    import data_formats
+
+    module = tmp_path / "mine_format.py"
+    source = """
+from data_formats import DataFormat, register
+
+@register
+class Mine(DataFormat):
+    name = "mine"
+
+    def to_messages(self, record):
+        return [{"role": "user", "content": record["q"]}, {"role": "assistant", "content": record["a"]}]
+"""
+    module.write_text(source)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(data_formats, "_REGISTRY", dict(data_formats._REGISTRY))
+    importlib.import_module("mine_format")
+    monkeypatch.setitem(sys.modules, "mine_format", sys.modules["mine_format"])
+    path = write_jsonl(tmp_path / "d.jsonl", [{"q": "Hi", "a": "yo"}])
+    cfg = DataConfig(format="mine", path=str(path), max_seq_len=64, cache_dir=str(tmp_path / "cache"))
+    first = load_or_tokenize(path, cfg, tokenizer)
+    assert first.stats["cache"] == "miss" and load_or_tokenize(path, cfg, tokenizer).stats["cache"] == "hit"
+    module.write_text(source.replace('record["a"]}', 'record["a"] + "!"}'))  # the user fixes their format
+    importlib.reload(sys.modules["mine_format"])
+    fixed = load_or_tokenize(path, cfg, tokenizer)
+    assert fixed.stats["cache"] == "miss" and len(fixed.input_ids) > len(first.input_ids)
+
+
 def test_json_array_and_parquet_files(tmp_path, tokenizer):
     rows = [{"instruction": f"Say {i}", "input": "", "output": str(i)} for i in range(5)]
     (tmp_path / "d.json").write_text(json.dumps(rows))
@@ -174,6 +265,21 @@ def test_json_array_and_parquet_files(tmp_path, tokenizer):
     for name in ("d.json", "d.parquet"):
         cfg = DataConfig(format="alpaca", path=str(tmp_path / name), max_seq_len=64, cache_dir=str(tmp_path / "cache"))
         assert len(load_or_tokenize(cfg.path, cfg, tokenizer)) == 5
+
+
+def test_byte_order_marks_and_one_document_json(tmp_path):
+    from ftctl.data.records import read_records
+
+    rows = [{"instruction": f"Say {i}", "output": str(i)} for i in range(3)]
+    (tmp_path / "bom.json").write_text("\ufeff" + json.dumps(rows), encoding="utf-8")
+    (tmp_path / "bom.jsonl").write_text("\ufeff" + "".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    for name in ("bom.json", "bom.jsonl"):
+        assert [r.data for r in read_records(tmp_path / name)] == rows
+    (tmp_path / "doc.json").write_text(json.dumps({"version": 1, "data": rows}, indent=2))
+    with pytest.raises(FtctlError, match=r"doc.json: one JSON object; ftctl reads a JSON array .* under 'data'"):
+        read_records(tmp_path / "doc.json")
+    (tmp_path / "one.json").write_text(json.dumps(rows[0]))  # one record on one line is JSON lines
+    assert [r.data for r in read_records(tmp_path / "one.json")] == rows[:1]
 
 
 def test_malformed_json_line_names_file_and_line(tmp_path, tokenizer):
@@ -218,3 +324,7 @@ def test_preview_marks_trained_spans(tokenizer):
     assert f"{TRAINED_OPEN}6<|im_end|>\n{TRAINED_CLOSE}" in text
     assert f"{TRAINED_OPEN}tac<|im_end|>\n{TRAINED_CLOSE}" in text
     assert text.count(TRAINED_OPEN) == 2
+    everything = tokenize_conversation(messages, tokenizer, max_seq_len=512, train_on_prompt=True)
+    # Even with train_on_prompt the first token is no target (nothing precedes it), and the preview says so.
+    first = tokenizer.decode(everything.input_ids[:1])
+    assert mark_spans(tokenizer, everything.input_ids, everything.labels).startswith(f"{first}{TRAINED_OPEN}")

@@ -184,3 +184,20 @@ def test_eval_recipe_supplies_model_and_held_out_file():
     assert req.data_format == "alpaca" and req.n == 5
     req = request_from_overrides(["recipe=smollm2_demo", "adapter=runs/x"])
     assert req.model is None and req.adapter == "runs/x"
+
+
+def test_eval_chat_and_generate_use_the_system_prompt_the_run_trained_with(make_cfg, run_training):
+    from ftctl.chat import system_prompt
+    from ftctl.evaluation.evaluate import request_from_overrides
+
+    result, _ = run_training(make_cfg("train.max_steps=2", "train.save_every=1", "data.system_prompt=You are ShopBot."))
+    checkpoint = result.run_dir / "checkpoints" / "step-1"
+    for target in (result.run_dir, result.final_dir, checkpoint):
+        assert request_from_overrides([f"adapter={target}", "data.path=x.jsonl"]).system_prompt == "You are ShopBot."
+        assert system_prompt({"adapter": str(target)}) == "You are ShopBot."
+    assert system_prompt({"model": str(result.run_dir)}) == "You are ShopBot."
+    # Said otherwise, or about a model no ftctl run produced: the user's word, or none.
+    assert system_prompt({"adapter": str(result.run_dir), "system": ""}) is None
+    assert system_prompt({"adapter": str(result.run_dir), "system": "Be brief."}) == "Be brief."
+    assert request_from_overrides([f"adapter={result.run_dir}", "data.path=x.jsonl", "data.system_prompt=Hi"]).system_prompt == "Hi"
+    assert system_prompt({"model": str(result.run_dir.parent)}) is None

@@ -77,6 +77,11 @@ def test_qlora_base_is_4bit_packed_and_only_lora_trains(make_cfg, tiny_model_dir
     assert with_grad == trainable
     assert all(model.get_parameter(n).grad.abs().sum() > 0 for n in trainable if ".lora_B." in n)
     assert not model.get_base_model().is_activation_checkpointing
+    # Counted as the parameters they stand for, not the bytes they are packed into: as many as LoRA's.
+    from ftctl.methods import create_method
+
+    lora = make_cfg("method=lora")
+    assert create_method(lora).count_parameters(model) == create_method(lora).count_parameters(build(lora, tiny_model_dir))
 
 
 def test_qlora_gradient_checkpointing_and_quant_options_follow_the_config(make_cfg, tiny_model_dir):

@@ -136,3 +136,13 @@ def test_eval_split_logs_eval_loss_and_tensorboard(make_cfg, run_training):
     assert [m["step"] for m in evals] == [2, 4]
     assert result.last_eval_loss == pytest.approx(evals[-1]["eval_loss"], rel=1e-7)
     assert list((result.run_dir / "tensorboard").glob("events.out.tfevents.*"))
+
+
+def test_a_metrics_line_covers_every_step_since_the_last(make_cfg, run_training, tmp_path):
+    every = run_training(make_cfg("train.max_steps=4", f"output_dir={tmp_path}/every"))[1]
+    second = run_training(make_cfg("train.max_steps=4", "train.log_every=2", f"output_dir={tmp_path}/second"))[1]
+    assert [m["step"] for m in second] == [2, 4]
+    for line, (a, b) in zip(second, [every[0:2], every[2:4]]):
+        assert line["trained_tokens"] == a["trained_tokens"] + b["trained_tokens"]
+        mean = (a["loss"] * a["trained_tokens"] + b["loss"] * b["trained_tokens"]) / line["trained_tokens"]
+        assert line["loss"] == pytest.approx(mean, rel=1e-6)  # the window's mean token loss

@@ -111,7 +111,7 @@ class TrainConfig:
     adam_beta2: float = option(0.999, "AdamW beta2.")
     adam_eps: float = option(1e-8, "AdamW epsilon.")
     optimizer: str = option(
-        "adamw", "adamw; for method=qlora also bitsandbytes adamw_8bit, or paged_adamw_8bit / paged_adamw_32bit (CUDA only)."
+        "adamw", "adamw, bitsandbytes adamw_8bit (8-bit states, any device), or paged_adamw_8bit / paged_adamw_32bit (CUDA only)."
     )
     max_grad_norm: float = option(1.0, "Gradient clipping norm; 0 disables clipping.")
     gradient_checkpointing: bool = option(False, "Recompute activations in backward to save memory.")

@@ -75,6 +75,8 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError(f"data.eval_fraction={d.eval_fraction} must be in [0, 1)")
     if d.eval_fraction > 0 and d.eval_path:
         raise ConfigError("set data.eval_path or data.eval_fraction, not both")
+    if t.eval_every and not (d.eval_path or d.eval_fraction > 0):
+        raise ConfigError(f"train.eval_every={t.eval_every} but there is no eval data: set data.eval_path=FILE or data.eval_fraction")
     _positive("data.pad_to_multiple_of", d.pad_to_multiple_of)
 
     _positive("parallel.nproc_per_node", p.nproc_per_node)

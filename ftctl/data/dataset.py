@@ -3,16 +3,18 @@
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
 import logging
 import os
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Tuple
 
 import numpy as np
 
-from data_formats import FormatError, get_format, guess_format
+from data_formats import FormatError, get_format, other_format_hint
 from ftctl.config.schema import DataConfig
 from ftctl.data.records import read_records
 from ftctl.data.render import TemplateError, ensure_chat_template, tokenize_conversation
@@ -62,6 +64,16 @@ def tokenizer_fingerprint(tokenizer) -> str:
     return h.hexdigest()
 
 
+def format_fingerprint(name: str) -> str:
+    """Hash of the source of the module defining the format: editing a format's code re-tokenizes."""
+    cls = type(get_format(name))
+    try:
+        source = inspect.getsource(sys.modules[cls.__module__])
+    except (KeyError, OSError, TypeError):
+        source = f"{cls.__module__}.{cls.__qualname__}"
+    return hashlib.sha256(source.encode()).hexdigest()
+
+
 def _cache_key(path: Path, cfg: DataConfig, tokenizer) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -70,6 +82,7 @@ def _cache_key(path: Path, cfg: DataConfig, tokenizer) -> str:
     settings = {
         "v": _CACHE_VERSION,
         "format": cfg.format,
+        "format_code": format_fingerprint(cfg.format),
         "max_seq_len": cfg.max_seq_len,
         "train_on_prompt": cfg.train_on_prompt,
         "system_prompt": cfg.system_prompt,
@@ -90,8 +103,7 @@ def tokenize_file(path: str | Path, cfg: DataConfig, tokenizer) -> TokenizedData
         try:
             messages = fmt.to_messages(record.data)
         except FormatError as exc:
-            looks = [name for name in guess_format(record.data) if name != cfg.format]
-            hint = f" The record looks like data.format={looks[0]}." if looks else ""
+            hint = other_format_hint(record.data, cfg.format)
             raise FtctlError(f"{record.source}: not a valid '{cfg.format}' record: {exc}.{hint}") from None
         if cfg.system_prompt and messages[0]["role"] != "system":
             messages = [{"role": "system", "content": cfg.system_prompt}] + messages

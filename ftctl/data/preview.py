@@ -22,8 +22,9 @@ def mark_spans(tokenizer, input_ids, labels, color: bool = False) -> str:
                 text = f"{GREEN}{text}{RESET}" if color else f"{TRAINED_OPEN}{text}{TRAINED_CLOSE}"
             out.append(text)
 
-    for token, label in zip(input_ids, labels):
-        is_trained = int(label) != IGNORE_INDEX
+    for position, (token, label) in enumerate(zip(input_ids, labels)):
+        # The first token is never a target: nothing comes before it to predict it from.
+        is_trained = position > 0 and int(label) != IGNORE_INDEX
         if is_trained != trained:
             flush()
             run, trained = [], is_trained
@@ -36,9 +37,12 @@ def preview(cfg: RunConfig, n: int, color: bool = False) -> None:
     tokenizer = load_tokenizer(cfg.model, resolve_model_path(cfg.model.name_or_path))
     train, _ = build_datasets(cfg.data, tokenizer, cfg.seed)
     legend = f"{GREEN}green{RESET}" if color else f"{TRAINED_OPEN}…{TRAINED_CLOSE}"
-    print(f"{len(train)} examples from {cfg.data.path} (format {cfg.data.format}); trained spans are {legend}, the rest is masked")
+    stats = train.stats
+    print(f"{len(train)} examples from {cfg.data.path} (format {cfg.data.format}; {stats.get('truncated', 0)} truncated to "
+          f"data.max_seq_len={cfg.data.max_seq_len}, {stats.get('dropped_no_trained_tokens', 0)} dropped with no trained token); "
+          f"trained spans are {legend}, the rest is masked")
     for i in range(min(n, len(train))):
         ids, labels = train[i]
-        trained = int((labels != IGNORE_INDEX).sum())
+        trained = int((labels[1:] != IGNORE_INDEX).sum())
         print(f"\n--- example {i}: {len(ids)} tokens, {trained} trained ---")
         print(mark_spans(tokenizer, ids, labels, color))

@@ -24,25 +24,39 @@ def read_records(path: str | Path) -> List[Record]:
     if suffix == ".jsonl":
         return _read_jsonl(path)
     if suffix == ".json":
-        text = path.read_text(encoding="utf-8")
+        text = path.read_text(encoding="utf-8-sig")
         if text.lstrip().startswith("["):
             try:
                 rows = json.loads(text)
             except json.JSONDecodeError as exc:
                 raise FtctlError(f"{path}:{exc.lineno}: malformed JSON: {exc.msg}") from None
             return [_as_record(row, f"{path}:item {i}") for i, row in enumerate(rows)]
+        if text.lstrip().startswith("{"):
+            _refuse_one_document(path, text)
         return _read_jsonl(path)
     if suffix == ".parquet":
-        from datasets import Dataset
+        import pyarrow.parquet as pq  # directly: datasets would copy the file into its cache
 
-        table = Dataset.from_parquet(str(path), keep_in_memory=True)
-        return [Record(dict(row), f"{path}:row {i}") for i, row in enumerate(table)]
+        return [Record(row, f"{path}:row {i}") for i, row in enumerate(pq.read_table(path).to_pylist())]
     raise FtctlError(f"{path}: unsupported data file type '{suffix}' (use .json, .jsonl or .parquet)")
+
+
+def _refuse_one_document(path: Path, text: str) -> None:
+    """A .json file holding one (pretty-printed) object rather than JSON lines: say what ftctl reads."""
+    try:
+        document = json.loads(text)
+    except json.JSONDecodeError:
+        return  # JSON lines, or broken: the line reader names the line
+    if not isinstance(document, dict) or text.strip().count("\n") == 0:
+        return  # one record on one line is JSON lines
+    lists = [key for key, value in document.items() if isinstance(value, list) and value and isinstance(value[0], dict)]
+    where = f" (the records look to be under '{lists[0]}': write that list alone)" if lists else ""
+    raise FtctlError(f"{path}: one JSON object; ftctl reads a JSON array of records or one record per line{where}")
 
 
 def _read_jsonl(path: Path) -> List[Record]:
     records = []
-    with open(path, encoding="utf-8") as f:
+    with open(path, encoding="utf-8-sig") as f:
         for lineno, line in enumerate(f, start=1):
             if not line.strip():
                 continue

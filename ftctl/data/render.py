@@ -1,18 +1,21 @@
 """Render a conversation with the tokenizer's chat template and mark which tokens are trained.
 
-Every assistant turn is trained together with the end-of-turn tokens the template puts after it
-(EOS included); system and user turns are masked with -100 unless ``train_on_prompt``.
+Every assistant turn that answers a user turn is trained together with the end-of-turn tokens the
+template puts after it (EOS included); system and user turns, and assistant turns marked untrained,
+are masked with -100 unless ``train_on_prompt``.
 
 Spans come from rendering prefixes: the tokens an assistant turn adds are those of the
 conversation up to and including it, minus those of the conversation before it with the
 generation prompt. This works for any template whose renderings extend each other, which is
 checked, so a template that breaks the assumption is an error rather than silently wrong labels.
+Where the renderings extend each other as text but not as tokens (a tokenizer merging characters
+across a turn boundary), the text is cut at the turn boundaries and each piece tokenized alone.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Sequence, Tuple
 
 IGNORE_INDEX = -100
 
@@ -63,24 +66,62 @@ def _ids(tokenizer, messages, add_generation_prompt: bool) -> List[int]:
     return list(out)
 
 
+def _text(tokenizer, messages, add_generation_prompt: bool) -> str:
+    if not messages:
+        return ""
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+
+
+def trains(message: Dict[str, str], before: List[Dict[str, str]]) -> bool:
+    """Whether a turn is an answer to train: an assistant turn that replies to a user turn and is not
+    marked ``train: False`` (a ShareGPT turn with weight 0). An assistant turn opening the conversation
+    answers nobody; it stays as context, and its role header (which has no prompt to come after) is never
+    a target."""
+    return (message["role"] == "assistant" and message.get("train", True)
+            and any(m["role"] == "user" for m in before))
+
+
+def _turn_pieces(messages: List[Dict[str, str]], render) -> Optional[List[Tuple[Sequence, bool]]]:
+    """The conversation cut at its assistant turns: (piece, is_answer) pairs, each piece what one rendering
+    (a list of token ids, or text) adds to the one before; None when a rendering does not extend the one before."""
+    pieces: List[Tuple[Sequence, bool]] = []
+    done = render([], False)
+    for i, message in enumerate(messages):
+        if not trains(message, messages[:i]):
+            continue
+        prompt = render(messages[:i], True)
+        full = render(messages[: i + 1], False)
+        if full[: len(done)] != done or prompt[: len(done)] != done or full[: len(prompt)] != prompt:
+            return None
+        pieces += [(prompt[len(done):], False), (full[len(prompt):], True)]
+        done = full
+    return pieces
+
+
 def tokenize_conversation(
     messages: List[Dict[str, str]], tokenizer, max_seq_len: int, train_on_prompt: bool = False
 ) -> TokenizedExample:
-    input_ids: List[int] = []
-    labels: List[int] = []
-    for i, message in enumerate(messages):
-        if message["role"] != "assistant":
-            continue
-        prompt = _ids(tokenizer, messages[:i], add_generation_prompt=True)
-        full = _ids(tokenizer, messages[: i + 1], add_generation_prompt=False)
-        if full[: len(input_ids)] != input_ids or prompt[: len(input_ids)] != input_ids or full[: len(prompt)] != prompt:
+    pieces = _turn_pieces(messages, lambda m, gen: _ids(tokenizer, m, gen))
+    if pieces is None:
+        # Tokenizers can merge across a turn boundary: "\n\n" ending a rendering is one token, the same
+        # "\n\n" before "### User" two. Then the text is cut at the turn boundaries and each piece is
+        # tokenized on its own (as LLaMA-Factory always does), provided the texts extend each other.
+        texts = _turn_pieces(messages, lambda m, gen: _text(tokenizer, m, gen))
+        if texts is None:
             raise TemplateError(
                 "the chat template does not render conversations as extensions of their prefixes, so "
                 "assistant spans cannot be located; set data.chat_template to a template that does"
             )
-        prompt_part, answer_part = prompt[len(input_ids):], full[len(prompt):]
-        input_ids += prompt_part + answer_part
-        labels += (prompt_part if train_on_prompt else [IGNORE_INDEX] * len(prompt_part)) + answer_part
+        pieces = [(tokenizer.encode(text, add_special_tokens=False), is_answer) for text, is_answer in texts]
+    input_ids: List[int] = []
+    labels: List[int] = []
+    answer_part: List[int] = []
+    for part, is_answer in pieces:
+        part = list(part)
+        input_ids += part
+        labels += part if is_answer or train_on_prompt else [IGNORE_INDEX] * len(part)
+        if is_answer:
+            answer_part = part
     eos = tokenizer.eos_token_id
     if eos is not None and labels and eos not in answer_part:
         # Templates that close a turn without EOS would teach a model never to stop.

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
-from data_formats import FormatError, get_format, guess_format
+from data_formats import FormatError, get_format, guess_format, other_format_hint
 from ftctl.errors import FtctlError
 from ftctl.options import number_option
 
@@ -64,8 +64,7 @@ def held_out_examples(path: str | Path, data_format: Optional[str], system_promp
         try:
             messages = fmt.to_messages(record.data)
         except FormatError as exc:
-            looks = [name for name in guess_format(record.data) if name != data_format]
-            hint = f" The record looks like data.format={looks[0]}." if looks else ""
+            hint = other_format_hint(record.data, data_format)
             raise FtctlError(f"{record.source}: not a valid '{data_format}' record: {exc}.{hint}") from None
         if system_prompt and messages[0]["role"] != "system":
             messages = [{"role": "system", "content": system_prompt}] + messages
@@ -87,6 +86,25 @@ def resolve_targets(model: Optional[str], adapter: Optional[str]) -> Tuple[Optio
     if model is None and adapter_dir is None:
         raise FtctlError("say what to evaluate: model=NAME_OR_DIR and/or adapter=RUN_OR_ADAPTER_DIR")
     return model, adapter_dir
+
+
+def trained_system_prompt(*targets: Optional[str]) -> Optional[str]:
+    """The data.system_prompt of the ftctl run that produced a result (a run dir, its final/ or a
+    checkpoints/step-N/ dir), read from the run's config.yaml; None for anything else.
+
+    A model trained with a system prompt answers as trained only when it sees that prompt again.
+    """
+    from ftctl.config.compose import load_resolved
+
+    for target in filter(None, targets):
+        path = Path(target).expanduser()
+        for run_dir in (path, path.parent, path.parent.parent):
+            if (run_dir / "config.yaml").is_file() and ((run_dir / "final").is_dir() or (run_dir / "checkpoints").is_dir()):
+                try:
+                    return load_resolved(run_dir / "config.yaml").data.system_prompt
+                except FtctlError:
+                    return None
+    return None
 
 
 def _adapter_dir(value: str, key: str) -> Path:
@@ -188,7 +206,7 @@ EVAL_OPTIONS = {
     "recipe": "take model, data.format, data.system_prompt, data.chat_template and data.eval_path from a preset",
     "data.path": "held-out file (.jsonl, .json or .parquet); default with recipe=: its data.eval_path",
     "data.format": "alpaca, sharegpt, openai, ...; default: guessed from the first record",
-    "data.system_prompt": "system message added to examples that carry none (as in training)",
+    "data.system_prompt": "system message added to examples that carry none (default: the one the run trained with)",
     "data.chat_template": "Jinja chat template overriding the tokenizer's (as in training)",
     "output": "dir for eval.json and predictions.jsonl (default runs/eval-<time>)",
     "n": "evaluate the first n examples (default: all)",
@@ -238,6 +256,7 @@ def request_from_overrides(overrides: List[str]) -> EvalRequest:
         max_new_tokens=integer("max_new_tokens", 64, 1),
         batch_size=integer("batch_size", 16, 1),
         metric=values.get("metric", "auto"),
-        system_prompt=get("data.system_prompt"),
+        system_prompt=get("data.system_prompt") if "data.system_prompt" in values or "recipe" in values
+        else trained_system_prompt(values.get("adapter"), values.get("model")),
         chat_template=get("data.chat_template"),
     )

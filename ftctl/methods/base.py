@@ -38,5 +38,11 @@ class Method:
     @staticmethod
     def count_parameters(model: torch.nn.Module) -> Dict[str, int]:
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-        total = sum(p.numel() for p in model.parameters())
+        total = sum(_logical_numel(p) for p in model.parameters())
         return {"trainable": trainable, "total": total}
+
+
+def _logical_numel(param: torch.Tensor) -> int:
+    """Parameters a tensor stands for: a bitsandbytes 4-bit weight packs two into each byte it stores."""
+    quant_state = getattr(param, "quant_state", None)
+    return quant_state.shape.numel() if quant_state is not None else param.numel()

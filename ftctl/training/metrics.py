@@ -61,8 +61,9 @@ class MetricsLogger:
             self._file.close()
 
 
-class ThroughputWindow:
-    """Token counts since the last metrics line, summed over ranks, turned into rates and waste shares."""
+class LogWindow:
+    """The steps since the last metrics line: their loss and token counts (summed over ranks), as the
+    line reports them: the window's mean token loss, rates and waste shares."""
 
     def __init__(self):
         import torch
@@ -72,25 +73,27 @@ class ThroughputWindow:
 
     def _reset(self):
         self.counts = self._torch.zeros(3, dtype=self._torch.float64)  # real, trained, computed positions
+        self.loss_sum = 0.0  # step losses weighted by their trained tokens
         self.start = time.perf_counter()
 
-    def add(self, batches, global_tokens: int, backend) -> None:
+    def add(self, batches, loss: float, global_tokens: int, backend) -> None:
         real, positions = backend.all_reduce_sum(
             self._torch.tensor([sum(b.real_tokens for b in batches), sum(b.positions for b in batches)], dtype=self._torch.float64)
         ).tolist()
         self.counts += self._torch.tensor([real, float(global_tokens), positions], dtype=self._torch.float64)
-        self.last_global_tokens = global_tokens
+        self.loss_sum += loss * global_tokens
 
     def take(self) -> dict:
         elapsed = max(time.perf_counter() - self.start, 1e-9)
         real, trained, positions = self.counts.tolist()
         out = {
+            "loss": self.loss_sum / max(trained, 1.0),
             "tokens_per_s": real / elapsed,
             "trained_tokens_per_s": trained / elapsed,
             # Shares of the computed positions: padding, and everything without a trained label.
             "padding_waste": 1.0 - real / positions,
             "non_trained_share": 1.0 - trained / positions,
-            "trained_tokens": int(self.last_global_tokens),
+            "trained_tokens": int(trained),
         }
         self._reset()
         return out

@@ -30,7 +30,7 @@ from ftctl.precision import resolve_precision
 from ftctl.training.checkpoint import save_checkpoint
 from ftctl.training.interrupts import NonFiniteGuard, StepOutcome, StopRequest, TrainingInterrupted
 from ftctl.training.loss import token_loss_sum
-from ftctl.training.metrics import MetricsLogger, ThroughputWindow
+from ftctl.training.metrics import LogWindow, MetricsLogger
 from ftctl.training.optimizers import build_optimizer
 from ftctl.training.resume import restore_training_state, resume_checkpoint
 from ftctl.training.schedule import learning_rate
@@ -98,7 +98,7 @@ def _train(cfg: RunConfig, run_dir: Path, backend) -> TrainResult:
     sampler = StepSampler(len(train_data), t.global_batch_size, cfg.seed, cfg.data.shuffle)
     make_batches = Batching.from_config(cfg, tokenizer.pad_token_id)
     metrics = MetricsLogger(run_dir, t.max_steps, start_step, enabled=backend.is_main, tensorboard=t.tensorboard, progress_bar=t.progress_bar)
-    throughput = ThroughputWindow()
+    window = LogWindow()
     nonfinite = NonFiniteGuard(t.max_nonfinite_steps, precision.needs_scaler)
     outcome, eval_loss = None, None
 
@@ -115,12 +115,12 @@ def _train(cfg: RunConfig, run_dir: Path, backend) -> TrainResult:
                 batches = make_batches(train_data, sampler.rank_share(step, backend.rank, backend.world_size))
                 outcome = train_step(engine, batches, backend, precision, t.max_grad_norm)
                 nonfinite.check(step + 1, outcome, keep_last_good=lambda: checkpoint(step) if step > 0 else None)
-                throughput.add(batches, outcome.global_tokens, backend)
+                window.add(batches, outcome.loss, outcome.global_tokens, backend)
                 done = step + 1
                 metrics.advance()
                 if done % t.log_every == 0 or done == t.max_steps:
-                    metrics.log(done, {"loss": outcome.loss, "lr": lr, "grad_norm": outcome.grad_norm,
-                                       **throughput.take(), "epoch": sampler.epoch(done), **engine.scaler_metrics()})
+                    metrics.log(done, {**window.take(), "lr": lr, "grad_norm": outcome.grad_norm,
+                                       "epoch": sampler.epoch(done), **engine.scaler_metrics()})
                 if eval_data is not None and ((t.eval_every and done % t.eval_every == 0) or done == t.max_steps):
                     eval_loss = evaluate(engine, eval_data, make_batches, backend, precision)
                     metrics.log(done, {"eval_loss": eval_loss})
