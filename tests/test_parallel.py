@@ -328,7 +328,7 @@ def _ftctl(args, env=None, timeout=300):
                           timeout=timeout, env=dict(os.environ, **(env or {})))
 
 
-def test_ftctl_train_launches_its_workers(common, references, tmp_path):
+def test_ftctl_train_launches_its_workers(common, references, tmp_path, tiny_model_dir):
     run = tmp_path / "zero2"
     proc = _ftctl([*common, "parallel=zero2", "parallel.nproc_per_node=2", "method=lora", f"output_dir={run}"])
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
@@ -336,6 +336,8 @@ def test_ftctl_train_launches_its_workers(common, references, tmp_path):
     assert "parallel=zero2×2" in (run / "train.log").read_text()
     ds_config = json.loads((run / "deepspeed_config.json").read_text())
     assert ds_config["zero_optimization"]["stage"] == 2 and ds_config["gradient_accumulation_steps"] == 2
+    hidden = json.loads((tiny_model_dir / "config.json").read_text())["hidden_size"]
+    assert ds_config["zero_optimization"]["reduce_bucket_size"] == hidden * hidden  # not DeepSpeed's 5e8 elements
     assert max_relative_loss_difference(run, references["lora"]) <= LOSS_RTOL
     assert max_weight_difference(run, references["lora"]) <= WEIGHT_ATOL
 
@@ -356,6 +358,7 @@ def test_sigterm_to_ftctl_train_reaches_its_workers(common, tmp_path):
     out, err = parent.communicate(timeout=120)
     assert parent.returncode == 143, out[-2000:] + err[-4000:]
     assert "ftctl: error: SIGTERM at step" in err and "resume=auto" in err and "Traceback" not in err
+    assert "death signal" not in err  # torch's launcher keeps its own log lines to itself
     assert [p.name.startswith("step-") for p in (run / "checkpoints").iterdir()] == [True]
 
 

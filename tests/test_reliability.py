@@ -121,6 +121,26 @@ def test_resume_auto_without_a_checkpoint(make_cfg, run_training):
     assert (first.run_dir / "final" / "adapter_model.safetensors").read_bytes() == final
 
 
+def test_resume_refuses_another_backend_or_world_size_before_starting(make_cfg, run_training, tmp_path):
+    from ftctl.training.checkpoint import STATE_FILE
+    from ftctl.training.run_dir import prepare_run_dir
+
+    first, _ = run_training(make_cfg("train.max_steps=2", "train.save_every=1"))
+    ckpt = first.run_dir / "checkpoints" / "step-1"
+    elsewhere = tmp_path / "elsewhere"
+    with pytest.raises(FtctlError, match=r"step-1 was written by parallel=single and this run has parallel=fsdp"):
+        prepare_run_dir(make_cfg("train.max_steps=2", "parallel=fsdp", f"output_dir={elsewhere}", f"resume={ckpt}"))
+    with pytest.raises(FtctlError, match=r"written by 1 processes and this run has 2"):
+        prepare_run_dir(make_cfg("train.max_steps=2", "parallel=ddp", "parallel.nproc_per_node=2", f"output_dir={elsewhere}",
+                                 f"resume={ckpt}"))
+    state = json.loads((ckpt / STATE_FILE).read_text())
+    del state["parallel"]  # as checkpoints from before the backend was recorded: read from the layout
+    (ckpt / STATE_FILE).write_text(json.dumps(state))
+    with pytest.raises(FtctlError, match=r"written by parallel=single or ddp and this run has parallel=zero2"):
+        prepare_run_dir(make_cfg("train.max_steps=2", "parallel=zero2", f"output_dir={elsewhere}", f"resume={ckpt}"))
+    assert not elsewhere.exists()
+
+
 def test_overwrite_starts_over(make_cfg, run_training):
     first, _ = run_training(make_cfg("train.max_steps=4", "train.save_every=2"))
     second, metrics = run_training(make_cfg("train.max_steps=2", "overwrite=true"))

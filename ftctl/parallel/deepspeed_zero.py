@@ -27,6 +27,7 @@ from ftctl.config.validate import gradient_accumulation_steps
 from ftctl.errors import FtctlError
 from ftctl.parallel.base import Engine, StepResult
 from ftctl.parallel.distributed import DataParallelBackend
+from ftctl.parallel.support import bucket_elements
 
 CONFIG_FILE = "deepspeed_config.json"
 STATE_DIR = "deepspeed"  # DeepSpeed's own checkpoint layout inside an ftctl checkpoint dir
@@ -55,14 +56,17 @@ def import_deepspeed():
     return deepspeed
 
 
-def deepspeed_config(cfg, stage: int, precision_name: str, world_size: int, on_gpu: bool) -> dict:
+def deepspeed_config(cfg, stage: int, precision_name: str, world_size: int, on_gpu: bool, hidden_size: int) -> dict:
     """The DeepSpeed JSON config equivalent to an ftctl run config."""
     t, p = cfg.train, cfg.parallel
+    bucket = bucket_elements(hidden_size)
     zero: Dict[str, object] = {
         "stage": stage,
         # Caller-managed accumulation allows overlapped reduction only in stage 2.
         "overlap_comm": stage == 2 and on_gpu,
         "contiguous_gradients": True,
+        "reduce_bucket_size": bucket,
+        "allgather_bucket_size": bucket,
     }
     if p.offload_optimizer == "cpu":
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": on_gpu}
@@ -164,7 +168,8 @@ class DeepSpeedZeroBackend(DataParallelBackend):
         self.deepspeed.init_distributed(dist_backend=None, auto_mpi_discovery=False, verbose=False, dist_init_required=False)
 
     def prepare(self, model, make_optimizer, precision):
-        config = deepspeed_config(self.cfg, self.stage, precision.name, self.world_size, self.device.type == "cuda")
+        config = deepspeed_config(self.cfg, self.stage, precision.name, self.world_size, self.device.type == "cuda",
+                                  model.config.hidden_size)
         if self.is_main:
             run_dir = Path(self.cfg.output_dir).expanduser()
             run_dir.mkdir(parents=True, exist_ok=True)

@@ -17,6 +17,14 @@ ZERO_STAGES = ("zero1", "zero2", "zero3")
 SHARDED = ("fsdp", "zero3")  # backends that partition the parameters themselves
 
 
+def bucket_elements(hidden_size: int) -> int:
+    """Elements per DeepSpeed gradient-reduction and all-gather bucket: hidden², as transformers' "auto" sets it.
+
+    DeepSpeed's default, 5e8 elements, is 1.9 GiB of fp32 buffer on every device whatever the model.
+    """
+    return hidden_size * hidden_size
+
+
 def config_refusal(cfg) -> Optional[str]:
     """A reason this config cannot run anywhere, or None."""
     p, m = cfg.parallel, cfg.method

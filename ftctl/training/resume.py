@@ -61,6 +61,32 @@ def resume_checkpoint(cfg: RunConfig, run_dir: Path) -> Optional[Path]:
     return path
 
 
+#: The dir each backend keeps its optimizer state in inside a checkpoint; single and ddp write
+#: optimizer.rank<N>.pt files instead.
+STATE_DIRS = {"fsdp": "fsdp_state", "zero1": "deepspeed", "zero2": "deepspeed", "zero3": "deepspeed"}
+SAME_LAYOUT = {"single", "ddp"}
+
+
+def check_resumable_by(ckpt: Path, cfg: RunConfig) -> None:
+    """Refuse, before anything starts, a checkpoint that another backend or world size wrote."""
+    state = json.loads((ckpt / STATE_FILE).read_text())
+    parallel = cfg.parallel.name
+    written_by = state.get("parallel")
+    if written_by is not None:
+        same = written_by == parallel or {written_by, parallel} <= SAME_LAYOUT
+    else:  # a checkpoint from before the backend was recorded: tell it by its layout
+        found = next((d for d in sorted(set(STATE_DIRS.values())) if (ckpt / d).is_dir()), None)
+        written_by = {"deepspeed": "zero1/2/3", "fsdp_state": "fsdp", None: "single or ddp"}[found]
+        same = found == STATE_DIRS.get(parallel)
+    if not same:
+        raise FtctlError(f"{ckpt} was written by parallel={written_by} and this run has parallel={parallel}; "
+                         "resume with the backend that wrote it")
+    world = cfg.parallel.nproc_per_node * cfg.parallel.nnodes
+    if state.get("world_size", 1) != world:
+        raise FtctlError(f"{ckpt} was written by {state['world_size']} processes and this run has {world}; "
+                         "resume with the same parallel settings")
+
+
 def restore_training_state(ckpt: Path, engine, backend) -> int:
     """Restore optimizer, scaler and this rank's RNG; return the step to continue from."""
     state = json.loads((ckpt / STATE_FILE).read_text())

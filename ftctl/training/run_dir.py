@@ -14,7 +14,7 @@ from ftctl.training.checkpoint import STATE_FILE, complete_checkpoints
 
 CONFIG_FILE = "config.yaml"
 #: What a run writes into its dir; overwrite=true deletes exactly these.
-RUN_OUTPUTS = ("checkpoints", "final", "metrics.jsonl", "tensorboard", "train.log", CONFIG_FILE)
+RUN_OUTPUTS = ("checkpoints", "final", "metrics.jsonl", "tensorboard", "train.log", "deepspeed_config.json", CONFIG_FILE)
 
 
 def prepare_run_dir(cfg: RunConfig) -> Path:
@@ -59,7 +59,7 @@ def _delete_run_outputs(run_dir: Path) -> None:
 
 def _check_resumable(cfg: RunConfig, run_dir: Path) -> bool:
     """Whether the run continues from a checkpoint; raises when it must not start at all."""
-    from ftctl.training.resume import config_differences, resume_checkpoint
+    from ftctl.training.resume import check_resumable_by, config_differences, resume_checkpoint
 
     ckpt = resume_checkpoint(cfg, run_dir)
     if ckpt is None:  # resume=auto with no checkpoint: a fresh start, as a preemptible job expects...
@@ -69,6 +69,7 @@ def _check_resumable(cfg: RunConfig, run_dir: Path) -> bool:
                 "choose another output_dir, or pass overwrite=true instead of resume=auto to start over"
             )
         return False
+    check_resumable_by(ckpt, cfg)
     source = ckpt.parent.parent / CONFIG_FILE
     if source.is_file():
         differing = config_differences(load_resolved(source), cfg)

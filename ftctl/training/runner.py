@@ -104,7 +104,7 @@ def _train(cfg: RunConfig, run_dir: Path, backend) -> TrainResult:
 
     def checkpoint(step: int):
         return save_checkpoint(run_dir, step, backend=backend, engine=engine, method=method, model=model,
-                               tokenizer=tokenizer, extra={"loss": outcome.loss if outcome else None}, keep_last=t.keep_last)
+                               tokenizer=tokenizer, extra={"loss": outcome.loss if outcome else None, "parallel": cfg.parallel.name}, keep_last=t.keep_last)
 
     engine.module.train()
     with StopRequest() as stop:
