@@ -60,9 +60,13 @@ def setup_logging(run_dir=None, debug: bool = False) -> None:
         logger.addHandler(file_handler)
 
 
-def close_run_log() -> None:
+def close_run_log(ending: Optional[BaseException] = None) -> None:
+    """Close the run dir's train.log; ``ending`` (what stopped the run) is written into it first."""
     logger = logging.getLogger("ftctl")
     for handler in [h for h in logger.handlers if getattr(h, "_ftctl_run_log", False)]:
+        if ending is not None:
+            reason = str(ending) if isinstance(ending, FtctlError) else f"{type(ending).__name__}: {ending}"
+            handler.emit(logger.makeRecord(logger.name, logging.ERROR, __file__, 0, "stopped: %s", (reason,), None))
         logger.removeHandler(handler)
         handler.close()
 
@@ -118,8 +122,8 @@ def cmd_train(args) -> int:
             launch_workers(cfg, run_dir, run_dir / "config.yaml")  # rank 0 prints the result line
             return 0
         result = train(cfg, run_dir)
-    except BaseException:  # whatever stopped it, a run that never took a step leaves nothing behind
-        close_run_log()
+    except BaseException as exc:  # whatever stopped it, a run that never took a step leaves nothing behind
+        close_run_log(ending=exc)
         discard_unstarted_run(run_dir)
         raise
     print(done_line(result))

@@ -53,7 +53,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         from ftctl.training.runner import train
 
         result = train(load_resolved(config_path), run_dir)
-    except FtctlError as exc:
+    except FtctlError as exc:  # the parent `ftctl train` reports it, in train.log too
         if not report_worker_error(rank, exc):
             print(f"ftctl: error (rank {rank}): {exc}", file=sys.stderr)
         return exc.exit_code
@@ -102,12 +102,12 @@ def train_under_launcher(cfg, debug: bool = False):
 
         try:
             result = train(cfg, run_dir)
-        except FtctlError:
+        except FtctlError as exc:
             if place.rank == 0:  # the run dir is rank 0's: a run that never took a step leaves nothing behind
                 from ftctl.cli import close_run_log
                 from ftctl.training.run_dir import discard_unstarted_run
 
-                close_run_log()
+                close_run_log(ending=exc)
                 discard_unstarted_run(run_dir)
             raise
         return result if place.rank == 0 else None

@@ -359,6 +359,7 @@ def test_sigterm_to_ftctl_train_reaches_its_workers(common, tmp_path):
     assert parent.returncode == 143, out[-2000:] + err[-4000:]
     assert "ftctl: error: SIGTERM at step" in err and "resume=auto" in err and "Traceback" not in err
     assert "death signal" not in err  # torch's launcher keeps its own log lines to itself
+    assert (run / "train.log").read_text().count("ERROR stopped: SIGTERM at step") == 1
     assert [p.name.startswith("step-") for p in (run / "checkpoints").iterdir()] == [True]
 
 

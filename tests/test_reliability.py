@@ -76,6 +76,7 @@ def test_sigterm_saves_a_checkpoint_and_says_how_to_resume(tiny_model_dir, tmp_p
     _, stderr = proc.communicate(timeout=60)
     assert proc.returncode == 143, stderr
     assert "SIGTERM at step" in stderr and "resume=auto" in stderr and "Traceback" not in stderr
+    assert "ERROR stopped: SIGTERM at step" in (out / "train.log").read_text()  # the run dir says why it ended
     stopped_at = json.loads((complete_checkpoints(out)[-1] / "trainer_state.json").read_text())["step"]
     assert stopped_at == max(losses_by_step(out)) and stopped_at % 4 != 0 or stopped_at >= 6
     resumed = subprocess.run(train_cli(tiny_model_dir, out, "resume=auto"), capture_output=True, text=True)
