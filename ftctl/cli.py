@@ -92,9 +92,10 @@ def cmd_train(args) -> int:
     if args.dry_run:  # the plan, and the checks a real run on this machine makes before it starts
         from ftctl.plan import describe_run
 
-        check_files(cfg)
         print(describe_run(cfg), flush=True)
-        check_launch(cfg, args.overrides, visible_device_type())  # after the plan: it may be meant for another machine
+        # After the plan, which may be meant for another machine: what a run here would refuse.
+        check_files(cfg)
+        check_launch(cfg, args.overrides, visible_device_type())
         return 0
     from ftctl.launch import launch_workers, world_size
     from ftctl.parallel.place import inside_launcher
@@ -374,12 +375,14 @@ def quiet_libraries(debug: bool) -> None:
     """What the libraries print that a user cannot act on stays out of ftctl's output (the CLI and every worker)."""
     # ftctl reports its own progress; the libraries' per-file bars would bury it.
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-    from ftctl.estimate import nvidia_gpu_visible
-
-    if not nvidia_gpu_visible() and not os.path.exists("/dev/kfd"):  # neither CUDA nor ROCm GPUs
-        # transformers asks DeepSpeed about ZeRO-3 when it saves a model; unset, DeepSpeed then warns that
-        # it is "setting accelerator to CPU" in runs that use no DeepSpeed at all.
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    # transformers asks DeepSpeed about ZeRO-3 whenever it saves a model, and on a machine without a GPU
+    # DeepSpeed then warns it is "setting accelerator to CPU", in runs that use no DeepSpeed at all.
+    deepspeed_log = logging.getLogger("DeepSpeed")  # DeepSpeed's own logger, the same object once it is imported
+    if not any(getattr(f, "_ftctl", False) for f in deepspeed_log.filters):
+        accelerator_notice = logging.Filter()
+        accelerator_notice.filter = lambda record: not record.getMessage().startswith("Setting accelerator to CPU")
+        accelerator_notice._ftctl = True
+        deepspeed_log.addFilter(accelerator_notice)
     if not debug:  # deprecation notices between transformers and peft are not the user's to act on
         warnings.filterwarnings("ignore", category=FutureWarning)
 
@@ -405,9 +408,23 @@ def main(argv: Optional[List[str]] = None) -> int:
     except KeyboardInterrupt:
         print("ftctl: interrupted", file=sys.stderr)
         return 130
-    except BrokenPipeError:  # the reader went away (`ftctl config-docs | head`): stop quietly, as other tools do
+    except BrokenPipeError:
+        if not _stdout_reader_gone():
+            raise  # some other pipe: a real failure
+        # The reader of our output went away (`ftctl config-docs | head`): stop quietly, as other tools do.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit-time flush cannot fail again
         return 0
+
+
+def _stdout_reader_gone() -> bool:
+    import select
+
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(events & select.POLLERR for _, events in poller.poll(0))
+    except (AttributeError, OSError, ValueError):  # no poll() here, or no real stdout
+        return False
 
 
 if __name__ == "__main__":

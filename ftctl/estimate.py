@@ -92,8 +92,12 @@ def _read_json(path: Path) -> dict:
 
 
 def nvidia_gpu_visible() -> bool:
+    """Whether torch would find a GPU here, told without importing it: NVIDIA's driver lists one, or a
+    ROCm (/dev/kfd) or WSL2 (/dev/dxg) GPU device exists, and CUDA_VISIBLE_DEVICES does not hide them."""
+    if os.environ.get("CUDA_VISIBLE_DEVICES", None) == "":
+        return False
     gpus = Path("/proc/driver/nvidia/gpus")
-    return os.environ.get("CUDA_VISIBLE_DEVICES", None) != "" and gpus.is_dir() and any(gpus.iterdir())
+    return (gpus.is_dir() and any(gpus.iterdir())) or os.path.exists("/dev/kfd") or os.path.exists("/dev/dxg")
 
 
 def machine_precision(name: str) -> str:

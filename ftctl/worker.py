@@ -102,7 +102,7 @@ def train_under_launcher(cfg, debug: bool = False):
 
         try:
             result = train(cfg, run_dir)
-        except FtctlError as exc:
+        except BaseException as exc:  # whatever stopped it, as `ftctl train` does without a launcher
             if place.rank == 0:  # the run dir is rank 0's: a run that never took a step leaves nothing behind
                 from ftctl.cli import close_run_log
                 from ftctl.training.run_dir import discard_unstarted_run

@@ -99,3 +99,16 @@ def test_output_piped_into_a_reader_that_quits_is_not_an_error():
     # `true` exits without reading, so ftctl's first flush meets a closed pipe.
     proc = subprocess.run(f"'{sys.executable}' -m ftctl config-docs | true", shell=True, capture_output=True, text=True)
     assert proc.stderr == "", proc.stderr
+
+
+def test_a_broken_pipe_elsewhere_is_still_an_error(monkeypatch):
+    import pytest
+
+    import ftctl.cli as cli
+
+    def failing(args):
+        raise BrokenPipeError("a worker's pipe")
+
+    monkeypatch.setattr(cli, "cmd_recipes", failing)
+    with pytest.raises(BrokenPipeError):
+        cli.main(["recipes"])

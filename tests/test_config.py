@@ -58,7 +58,6 @@ def test_group_override_after_recipe_wins():
         ("data.max_seq_len=4", "data.max_seq_len=4 is too small"),
         ("train.global_batch_size=6", "must be a multiple of train.micro_batch_size"),
         ("train.lr", "write key=value"),
-        ("train.eval_every=2", "train.eval_every=2 but there is no eval data: set data.eval_path=FILE or data.eval_fraction"),
         ("train.learning_rate=1e-4", "unknown config key 'train.learning_rate'. ftctl's name for it: train.lr."),
         ("lora_r=8", "ftctl's name for it: method.r."),
         ("lr=1e-4", "unknown config key 'lr'. Did you mean 'train.lr'?"),
@@ -76,6 +75,17 @@ def test_a_list_key_takes_one_name_or_a_comma_separated_list():
     assert compose_config(["recipe=tiny_lora", "method.target_modules=q_proj"]).method.target_modules == ["q_proj"]
     assert compose_config(["recipe=tiny_lora", "method.target_modules=q_proj,v_proj"]).method.target_modules == ["q_proj", "v_proj"]
     assert compose_config(["recipe=tiny_lora", "method.target_modules=[k_proj]"]).method.target_modules == ["k_proj"]
+    linked = compose_config(["recipe=tiny_lora", "method.target_modules=q_proj", "method.modules_to_save=${method.target_modules}"])
+    assert linked.method.modules_to_save == ["q_proj"]  # an interpolation is left for OmegaConf to resolve
+
+
+def test_chat_templates_are_parsed_as_transformers_parses_them():
+    from ftctl.config.validate import check_chat_template
+
+    check_chat_template("data.chat_template", "{% for m in messages %}{% generation %}{{ m['content'] }}{% endgeneration %}"
+                                              "{% if loop.last %}{% break %}{% endif %}{% endfor %}")
+    with pytest.raises(ConfigError, match="not a valid Jinja template"):
+        check_chat_template("data.chat_template", "{% for m in messages %}")
 
 
 def test_unknown_key_in_a_recipe_file_names_the_key(tmp_path, monkeypatch):

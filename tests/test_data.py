@@ -112,6 +112,28 @@ def test_only_assistant_turns_answering_a_user_train(tokenizer):
     assert tokenizer.decode(example.input_ids).startswith("<|im_start|>assistant\nHello, how can I help?")
     everything = tokenize_conversation(messages, tokenizer, max_seq_len=512, train_on_prompt=True)
     assert everything.labels == everything.input_ids == example.input_ids
+    # A completion prompted by a system turn alone trains.
+    prompted = [{"role": "system", "content": "Write a haiku."}, {"role": "assistant", "content": "Leaves"}]
+    trained = tokenize_conversation(prompted, tokenizer, max_seq_len=512)
+    assert [tokenizer.decode(s) for s in trained_spans(trained.input_ids, trained.labels)] == ["Leaves<|im_end|>\n"]
+
+
+def test_a_file_with_nothing_to_train_says_so(tmp_path, tokenizer):
+    only_greetings = {"conversations": [{"from": "gpt", "value": "Hi!"}, {"from": "human", "value": "Bye"},
+                                        {"from": "gpt", "value": "Ciao", "weight": 0}]}
+    path = write_jsonl(tmp_path / "g.jsonl", [only_greetings])
+    cfg = DataConfig(format="sharegpt", path=str(path), max_seq_len=64, cache_dir=str(tmp_path / "cache"))
+    with pytest.raises(FtctlError, match=r"none has an assistant turn to train \(one after a user or system turn, not marked weight 0\)"):
+        load_or_tokenize(path, cfg, tokenizer)
+    from ftctl.evaluation.evaluate import held_out_examples
+
+    with pytest.raises(FtctlError, match="no assistant turn after a prompt to score"):
+        held_out_examples(path, "sharegpt")
+    scored = write_jsonl(tmp_path / "s.jsonl", [{"conversations": [
+        {"from": "human", "value": "Double 3."}, {"from": "gpt", "value": "6"},
+        {"from": "human", "value": "Thanks"}, {"from": "gpt", "value": "You are welcome", "weight": 0}]}])
+    _, examples = held_out_examples(scored, "sharegpt")
+    assert examples[0].reference == "6" and len(examples[0].prompt) == 1  # the turn training would train on
 
 
 def test_openai_content_parts_are_joined_and_non_text_turns_refused():

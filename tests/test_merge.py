@@ -157,9 +157,10 @@ def test_merge_refuses_a_missing_or_mismatched_base_and_writes_nothing(make_cfg,
 def test_merge_and_export_never_write_over_what_they_read(make_cfg, run_training, tiny_model_dir, tmp_path, capsys):
     from ftctl.cli import main
 
-    result = run_training(make_cfg("train.max_steps=1", "train.global_batch_size=4"))[0]
-    run_dir, base = result.run_dir, tmp_path / "base"
+    base = tmp_path / "base"
     shutil.copytree(tiny_model_dir, base)
+    result = run_training(make_cfg("train.max_steps=1", "train.global_batch_size=4", model_dir=base))[0]
+    run_dir = result.run_dir
     before = {p: p.read_bytes() for p in [*run_dir.rglob("*"), *base.rglob("*")] if p.is_file()}
     attempts = [
         ["merge", f"adapter={result.final_dir}", f"output={run_dir}", "overwrite=true"],  # the run holding the adapter
@@ -168,6 +169,9 @@ def test_merge_and_export_never_write_over_what_they_read(make_cfg, run_training
         ["merge", f"adapter={result.final_dir}", f"base={base}", f"output={tmp_path}", "overwrite=true"],
         ["export", f"model={result.final_dir}", f"base={base}", "format=hf", f"output={base}", "overwrite=true"],
         ["export", f"model={run_dir}", "format=hf", f"output={run_dir}", "overwrite=true"],
+        # The base the adapter records, not given: still an input.
+        ["merge", f"adapter={run_dir / 'final'}", f"output={base}", "overwrite=true"],
+        ["export", f"model={run_dir}", "format=hf", f"output={base}", "overwrite=true"],
     ]
     for args in attempts:
         assert main(args) == 1, args

@@ -99,7 +99,8 @@ def test_incomplete_checkpoints_are_never_resumed_and_pruning_waits(make_cfg, ru
 def test_resume_refuses_a_changed_config_and_allows_cosmetic_changes(make_cfg, run_training, tmp_path):
     from ftctl.training.run_dir import prepare_run_dir
 
-    run_training(make_cfg("train.max_steps=4", "train.save_every=2"))
+    stopped, _ = run_training(make_cfg("train.max_steps=4", "train.save_every=2"))
+    shutil.rmtree(stopped.final_dir)  # as a run stopped after its step-2 checkpoint
     with pytest.raises(FtctlError, match=r"config differs in method.r, train.lr"):
         prepare_run_dir(make_cfg("train.max_steps=4", "train.save_every=2", "train.lr=1e-3", "method.r=4", "resume=auto"))
     prepare_run_dir(make_cfg("train.max_steps=4", "train.save_every=2", "train.log_every=2", "resume=auto"))
@@ -117,9 +118,13 @@ def test_resume_auto_without_a_checkpoint(make_cfg, run_training):
     assert [m["step"] for m in metrics if "loss" in m] == [1, 2, 3]
     # A finished run without checkpoints is never overwritten by resume=auto.
     final = (first.run_dir / "final" / "adapter_model.safetensors").read_bytes()
-    with pytest.raises(FtctlError, match=r"holds a finished run \(final/\) and no checkpoint"):
+    with pytest.raises(FtctlError, match=r"holds a finished run \(final/\); nothing to resume"):
         prepare_run_dir(make_cfg("train.max_steps=2", "train.lr=1e-3", "resume=auto"))
     assert (first.run_dir / "final" / "adapter_model.safetensors").read_bytes() == final
+    # With checkpoints as well: resuming would train the tail again and overwrite the result.
+    overwritten, _ = run_training(make_cfg("train.max_steps=4", "train.save_every=2", "overwrite=true"))
+    with pytest.raises(FtctlError, match=r"holds a finished run"):
+        prepare_run_dir(make_cfg("train.max_steps=4", "train.save_every=2", "resume=auto"))
 
 
 def test_resume_refuses_another_backend_or_world_size_before_starting(make_cfg, run_training, tmp_path):
@@ -134,6 +139,15 @@ def test_resume_refuses_another_backend_or_world_size_before_starting(make_cfg, 
     with pytest.raises(FtctlError, match=r"written by 1 processes and this run has 2"):
         prepare_run_dir(make_cfg("train.max_steps=2", "parallel=ddp", "parallel.nproc_per_node=2", f"output_dir={elsewhere}",
                                  f"resume={ckpt}"))
+    # Under a launcher (torchrun sets WORLD_SIZE) the launcher's world size is the run's.
+    from ftctl.training.resume import check_resumable_by
+
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("RANK", "0"), env.setenv("WORLD_SIZE", "2")
+        with pytest.raises(FtctlError, match=r"written by 1 processes and this run has 2"):
+            check_resumable_by(ckpt, make_cfg("parallel=ddp", f"output_dir={elsewhere}"))
+        env.setenv("WORLD_SIZE", "1")
+        check_resumable_by(ckpt, make_cfg("parallel=ddp", "parallel.nproc_per_node=2", f"output_dir={elsewhere}"))
     state = json.loads((ckpt / STATE_FILE).read_text())
     del state["parallel"]  # as checkpoints from before the backend was recorded: read from the layout
     (ckpt / STATE_FILE).write_text(json.dumps(state))
@@ -188,7 +202,7 @@ def test_optimizer_state_is_loaded_without_unpickling_code(make_cfg, run_trainin
     from ftctl.training.run_dir import prepare_run_dir
     from ftctl.training.runner import train
 
-    cfg = make_cfg("train.max_steps=4", "train.save_every=2", "resume=checkpoints")
+    cfg = make_cfg("train.max_steps=4", "train.save_every=2", f"output_dir={tmp_path / 'resumed'}", "resume=checkpoints")
     cfg.resume = str(result.run_dir / "checkpoints" / "step-2")
     with pytest.raises(Exception) as info:
         train(cfg, prepare_run_dir(cfg))

@@ -72,6 +72,8 @@ def list_recipes() -> List[Dict[str, str]]:
     return recipes
 
 
+_PLAIN_NAMES = re.compile(r"^(?!null$)[\w.\-*/]+(,[\w.\-*/]+)*$")
+
 #: Names other fine-tuning tools (transformers' TrainingArguments, axolotl, LLaMA-Factory, TRL) give
 #: to ftctl settings: an unknown key whose last part is one of these is pointed at ftctl's spelling.
 OTHER_TOOLS_NAMES = {
@@ -129,7 +131,7 @@ def _check_override(raw: str, fields: Dict[str, dataclasses.Field]) -> str:
         return f"recipe@_global_={value}" if key == "recipe" else raw
     if key not in fields:
         raise ConfigError(f"unknown config key '{key}'.{_unknown_key_hint(key, fields)} (`ftctl config-docs` lists every key)")
-    if str(fields[key].type).startswith("List[") and not value.startswith("[") and value != "null":
+    if str(fields[key].type).startswith("List[") and _PLAIN_NAMES.match(value):
         return f"{key}=[{value}]"  # one name, or a comma-separated list, means the list of them
     return raw
 

@@ -17,11 +17,20 @@ def _choice(key: str, value: str, choices) -> None:
 def check_chat_template(key: str, template: str) -> None:
     """A template transformers would fail to compile is a message now, not a traceback at tokenization."""
     import jinja2
-    from jinja2.ext import loopcontrols
+    from jinja2 import nodes
+    from jinja2.ext import Extension, loopcontrols
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+    class GenerationBlock(Extension):  # transformers' {% generation %}...{% endgeneration %} marks assistant text
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            return nodes.Scope(parser.parse_statements(("name:endgeneration",), drop_needle=True), lineno=lineno)
+
     try:  # the environment transformers renders chat templates in
-        ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols]).parse(template)
+        environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols, GenerationBlock])
+        environment.parse(template)
     except jinja2.TemplateSyntaxError as exc:
         raise ConfigError(f"{key} is not a valid Jinja template: {exc.message} (template line {exc.lineno})") from None
 
@@ -75,8 +84,6 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError(f"data.eval_fraction={d.eval_fraction} must be in [0, 1)")
     if d.eval_fraction > 0 and d.eval_path:
         raise ConfigError("set data.eval_path or data.eval_fraction, not both")
-    if t.eval_every and not (d.eval_path or d.eval_fraction > 0):
-        raise ConfigError(f"train.eval_every={t.eval_every} but there is no eval data: set data.eval_path=FILE or data.eval_fraction")
     _positive("data.pad_to_multiple_of", d.pad_to_multiple_of)
 
     _positive("parallel.nproc_per_node", p.nproc_per_node)

@@ -65,13 +65,14 @@ def tokenizer_fingerprint(tokenizer) -> str:
 
 
 def format_fingerprint(name: str) -> str:
-    """Hash of the source of the module defining the format: editing a format's code re-tokenizes."""
-    cls = type(get_format(name))
-    try:
-        source = inspect.getsource(sys.modules[cls.__module__])
-    except (KeyError, OSError, TypeError):
-        source = f"{cls.__module__}.{cls.__qualname__}"
-    return hashlib.sha256(source.encode()).hexdigest()
+    """Hash of the source of the modules defining the format and its base classes: editing a format's code re-tokenizes."""
+    h = hashlib.sha256()
+    for module in sorted({cls.__module__ for cls in type(get_format(name)).__mro__ if cls.__module__ != "builtins"}):
+        try:
+            h.update(inspect.getsource(sys.modules[module]).encode())
+        except (KeyError, OSError, TypeError):
+            h.update(module.encode())
+    return h.hexdigest()
 
 
 def _cache_key(path: Path, cfg: DataConfig, tokenizer) -> str:
@@ -115,14 +116,23 @@ def tokenize_file(path: str | Path, cfg: DataConfig, tokenizer) -> TokenizedData
         stats["truncated"] += example.truncated
         if example.trained_tokens == 0:
             stats["dropped_no_trained_tokens"] += 1
+            if not example.truncated:  # nothing to train even in full: every assistant turn is context
+                stats["dropped_no_trained_turn"] = stats.get("dropped_no_trained_turn", 0) + 1
             continue
         ids.append(np.asarray(example.input_ids, dtype=np.int32))
         labels.append(np.asarray(example.labels, dtype=np.int32))
         offsets.append(offsets[-1] + len(example.input_ids))
     if not ids:
+        untrained = stats.get("dropped_no_trained_turn", 0)
+        if untrained == stats["dropped_no_trained_tokens"]:
+            raise FtctlError(
+                f"{path}: every example was filtered out: none has an assistant turn to train (one after a user "
+                "or system turn, not marked weight 0)"
+            )
         raise FtctlError(
-            f"{path}: every example was filtered out ({stats['dropped_no_trained_tokens']} had no trained "
-            f"token left after truncation to data.max_seq_len={cfg.max_seq_len}); raise max_seq_len"
+            f"{path}: every example was filtered out ({stats['dropped_no_trained_tokens'] - untrained} had no trained "
+            f"token left after truncation to data.max_seq_len={cfg.max_seq_len}; {untrained} had no assistant turn "
+            "to train); raise max_seq_len"
         )
     return TokenizedDataset(np.concatenate(ids), np.concatenate(labels), np.asarray(offsets, dtype=np.int64), stats)
 

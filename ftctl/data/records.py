@@ -49,8 +49,13 @@ def _refuse_one_document(path: Path, text: str) -> None:
         return  # JSON lines, or broken: the line reader names the line
     if not isinstance(document, dict) or text.strip().count("\n") == 0:
         return  # one record on one line is JSON lines
+    from data_formats import guess_format
+
     lists = [key for key, value in document.items() if isinstance(value, list) and value and isinstance(value[0], dict)]
-    where = f" (the records look to be under '{lists[0]}': write that list alone)" if lists else ""
+    if guess_format(document):
+        where = " (this one is a single record spread over lines)"
+    else:
+        where = f" (the records look to be under '{lists[0]}': write that list alone)" if lists else ""
     raise FtctlError(f"{path}: one JSON object; ftctl reads a JSON array of records or one record per line{where}")
 
 

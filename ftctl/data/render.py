@@ -1,8 +1,8 @@
 """Render a conversation with the tokenizer's chat template and mark which tokens are trained.
 
-Every assistant turn that answers a user turn is trained together with the end-of-turn tokens the
-template puts after it (EOS included); system and user turns, and assistant turns marked untrained,
-are masked with -100 unless ``train_on_prompt``.
+Every assistant turn after a prompt is trained together with the end-of-turn tokens the template
+puts after it (EOS included); system and user turns, an assistant turn opening the conversation and
+assistant turns marked untrained are masked with -100 unless ``train_on_prompt``.
 
 Spans come from rendering prefixes: the tokens an assistant turn adds are those of the
 conversation up to and including it, minus those of the conversation before it with the
@@ -73,12 +73,11 @@ def _text(tokenizer, messages, add_generation_prompt: bool) -> str:
 
 
 def trains(message: Dict[str, str], before: List[Dict[str, str]]) -> bool:
-    """Whether a turn is an answer to train: an assistant turn that replies to a user turn and is not
-    marked ``train: False`` (a ShareGPT turn with weight 0). An assistant turn opening the conversation
-    answers nobody; it stays as context, and its role header (which has no prompt to come after) is never
-    a target."""
-    return (message["role"] == "assistant" and message.get("train", True)
-            and any(m["role"] == "user" for m in before))
+    """Whether a turn is an answer to train: an assistant turn after some prompt (a user or system turn),
+    not marked ``train: False`` (a ShareGPT turn with weight 0). An assistant turn opening the
+    conversation answers nobody; it stays as context, and its role header (which has no prompt to come
+    after) is never a target."""
+    return message["role"] == "assistant" and message.get("train", True) and bool(before)
 
 
 def _turn_pieces(messages: List[Dict[str, str]], render) -> Optional[List[Tuple[Sequence, bool]]]:

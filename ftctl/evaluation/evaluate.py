@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
 from data_formats import FormatError, get_format, guess_format, other_format_hint
+from ftctl.data.render import trains
 from ftctl.errors import FtctlError
 from ftctl.options import number_option
 
@@ -68,7 +69,10 @@ def held_out_examples(path: str | Path, data_format: Optional[str], system_promp
             raise FtctlError(f"{record.source}: not a valid '{data_format}' record: {exc}.{hint}") from None
         if system_prompt and messages[0]["role"] != "system":
             messages = [{"role": "system", "content": system_prompt}] + messages
-        last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
+        answers = [i for i, m in enumerate(messages) if trains(m, messages[:i])]  # what training would train on
+        if not answers:
+            raise FtctlError(f"{record.source}: no assistant turn after a prompt to score")
+        last = answers[-1]
         examples.append(HeldOutExample(messages[:last], messages[last]["content"], record.source))
     return data_format, examples
 

@@ -83,6 +83,15 @@ def request_from_options(options: Dict[str, str]) -> ExportRequest:
     )
 
 
+def _recorded_base(model: str) -> Optional[str]:
+    """The base an adapter result (a run dir, its final/, a checkpoint) names, which an export merges it into."""
+    path = Path(model).expanduser()
+    for candidate in (path, path / "final"):
+        if (candidate / "adapter_config.json").is_file():
+            return json.loads((candidate / "adapter_config.json").read_text()).get("base_model_name_or_path")
+    return None
+
+
 def _check_output(req: ExportRequest) -> Path:
     output = Path(req.output).expanduser().absolute()
     if req.format == "gguf":
@@ -97,7 +106,7 @@ def _check_output(req: ExportRequest) -> Path:
         check_output_dir(output, req.overwrite)
     from ftctl.merging import refuse_output_over_inputs
 
-    refuse_output_over_inputs(output, model=req.model, base=req.base)
+    refuse_output_over_inputs(output, model=req.model, base=req.base or _recorded_base(req.model))
     return output
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import sys
 import time
 from pathlib import Path
@@ -73,7 +74,7 @@ class LogWindow:
 
     def _reset(self):
         self.counts = self._torch.zeros(3, dtype=self._torch.float64)  # real, trained, computed positions
-        self.loss_sum = 0.0  # step losses weighted by their trained tokens
+        self.loss_sum = self.loss_tokens = 0.0  # finite step losses weighted by their trained tokens
         self.start = time.perf_counter()
 
     def add(self, batches, loss: float, global_tokens: int, backend) -> None:
@@ -81,13 +82,15 @@ class LogWindow:
             self._torch.tensor([sum(b.real_tokens for b in batches), sum(b.positions for b in batches)], dtype=self._torch.float64)
         ).tolist()
         self.counts += self._torch.tensor([real, float(global_tokens), positions], dtype=self._torch.float64)
-        self.loss_sum += loss * global_tokens
+        if math.isfinite(loss):  # a skipped non-finite step is reported on its own; it must not void the window's mean
+            self.loss_sum += loss * global_tokens
+            self.loss_tokens += global_tokens
 
     def take(self) -> dict:
         elapsed = max(time.perf_counter() - self.start, 1e-9)
         real, trained, positions = self.counts.tolist()
         out = {
-            "loss": self.loss_sum / max(trained, 1.0),
+            "loss": self.loss_sum / self.loss_tokens if self.loss_tokens else float("nan"),
             "tokens_per_s": real / elapsed,
             "trained_tokens_per_s": trained / elapsed,
             # Shares of the computed positions: padding, and everything without a trained label.

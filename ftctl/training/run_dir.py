@@ -61,13 +61,13 @@ def _check_resumable(cfg: RunConfig, run_dir: Path) -> bool:
     """Whether the run continues from a checkpoint; raises when it must not start at all."""
     from ftctl.training.resume import check_resumable_by, config_differences, resume_checkpoint
 
+    if (run_dir / "final").exists():  # a finished run: resuming would only train its tail again over its result
+        raise FtctlError(
+            f"output_dir {run_dir} holds a finished run (final/); nothing to resume. Choose another output_dir, "
+            "or pass overwrite=true instead of resume=… to start over"
+        )
     ckpt = resume_checkpoint(cfg, run_dir)
-    if ckpt is None:  # resume=auto with no checkpoint: a fresh start, as a preemptible job expects...
-        if (run_dir / "final").exists():  # ...unless a finished run's result would be overwritten
-            raise FtctlError(
-                f"output_dir {run_dir} holds a finished run (final/) and no checkpoint to resume from; "
-                "choose another output_dir, or pass overwrite=true instead of resume=auto to start over"
-            )
+    if ckpt is None:  # resume=auto with no checkpoint: a fresh start, as a preemptible job expects
         return False
     check_resumable_by(ckpt, cfg)
     source = ckpt.parent.parent / CONFIG_FILE

@@ -73,7 +73,7 @@ def _train(cfg: RunConfig, run_dir: Path, backend) -> TrainResult:
     model_path = resolve_model_path(cfg.model.name_or_path)
     tokenizer = load_tokenizer(cfg.model, model_path)
     train_data, eval_data = build_datasets(cfg.data, tokenizer, cfg.seed)
-    _log_data(backend, train_data, eval_data)
+    _log_data(backend, train_data, eval_data, t.eval_every)
 
     model = method.build_model(model_path, precision, backend.build_device)
     use_fast_rms_norm(model)
@@ -175,9 +175,11 @@ def evaluate(engine, eval_data, make_batches, backend, precision) -> float:
     return float(backend.all_reduce_sum(total) / backend.all_reduce_sum(tokens).clamp(min=1))
 
 
-def _log_data(backend, train_data, eval_data) -> None:
+def _log_data(backend, train_data, eval_data, eval_every: int = 0) -> None:
     if not backend.is_main:
         return
+    if eval_every and eval_data is None:
+        log.warning("train.eval_every=%d, but there is no eval data (data.eval_path or data.eval_fraction): no eval runs", eval_every)
     s = train_data.stats
     log.info(
         "data: %d train examples (%d trained tokens), %d eval; %d truncated to max_seq_len, %d dropped with no trained token; cache %s",
