@@ -112,3 +112,13 @@ def test_a_broken_pipe_elsewhere_is_still_an_error(monkeypatch):
     monkeypatch.setattr(cli, "cmd_recipes", failing)
     with pytest.raises(BrokenPipeError):
         cli.main(["recipes"])
+
+
+def test_a_multi_process_full_fine_tune_prints_only_ftctl(tmp_path, tiny_model_dir):
+    # Library chatter a user cannot act on stays out: transformers' FutureWarnings in every worker, and
+    # DeepSpeed's "Setting accelerator to CPU" when transformers asks it about ZeRO-3 while saving.
+    done = run_ftctl("train", "recipe=tiny_lora", f"model.name_or_path={tiny_model_dir}", f"output_dir={tmp_path / 'run'}",
+                     "method=full", "parallel=ddp", "parallel.nproc_per_node=2", "train.max_steps=2", "train.progress_bar=false")
+    assert done.returncode == 0, done.stderr
+    assert done.stderr == "", done.stderr
+    assert all(line.startswith(("[ftctl] ", "done: ")) for line in done.stdout.splitlines()), done.stdout
