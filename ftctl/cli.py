@@ -367,7 +367,8 @@ def _refuse_unknown_arguments(parser: argparse.ArgumentParser, args, unknown: Li
     name = " ".join(filter(None, [args.command, getattr(args, "data_command", None)]))
     owner = parser.command_parsers.get(name, parser)
     flags = [flag for action in owner._actions for flag in action.option_strings if flag.startswith("--")]
-    hints = [did_you_mean(arg.split("=")[0], flags).strip() for arg in unknown if arg.startswith("-")]
+    # Flags share their "--", so only a close match is a suggestion (--nope is not --help).
+    hints = [did_you_mean(arg.split("=")[0], flags, cutoff=0.7).strip() for arg in unknown if arg.startswith("-")]
     owner.error(f"unrecognized arguments: {' '.join(unknown)}{''.join(' ' + h for h in hints if h)}")
 
 
@@ -393,8 +394,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     if unknown:
         _refuse_unknown_arguments(parser, args, unknown)
     args.debug = getattr(args, "debug", False)
-    if not getattr(args, "func", None):
-        parser.print_help()
+    if not getattr(args, "func", None):  # no command, or a command group without its subcommand (`ftctl data`)
+        parser.command_parsers.get(args.command, parser).print_help()
         return 0 if args.command is None else 2
     setup_logging(debug=args.debug)
     quiet_libraries(args.debug)

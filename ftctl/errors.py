@@ -18,7 +18,7 @@ class ConfigError(FtctlError):
     exit_code = 2
 
 
-def did_you_mean(word: str, candidates: Iterable[str]) -> str:
+def did_you_mean(word: str, candidates: Iterable[str], cutoff: float = 0.5) -> str:
     """' Did you mean 'x'?' for the closest candidate, or '' when nothing is close."""
-    matches = difflib.get_close_matches(word, list(candidates), n=1, cutoff=0.5)
+    matches = difflib.get_close_matches(word, list(candidates), n=1, cutoff=cutoff)
     return f" Did you mean '{matches[0]}'?" if matches else ""
