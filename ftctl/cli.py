@@ -71,6 +71,14 @@ def close_run_log(ending: Optional[BaseException] = None) -> None:
         handler.close()
 
 
+def end_failed_run(run_dir: Path, reason: BaseException) -> None:
+    """train.log says why the run stopped; a run that never took a step leaves nothing behind."""
+    from ftctl.training.run_dir import discard_unstarted_run
+
+    close_run_log(ending=reason)
+    discard_unstarted_run(run_dir)
+
+
 def _split_extra(overrides: List[str], *names: str):
     """Pull command options such as n=3 out of the config overrides."""
     extra, rest = {}, []
@@ -100,7 +108,7 @@ def cmd_train(args) -> int:
     from ftctl.launch import launch_workers, world_size
     from ftctl.parallel.place import inside_launcher
     from ftctl.worker import done_line
-    from ftctl.training.run_dir import discard_unstarted_run, prepare_run_dir
+    from ftctl.training.run_dir import prepare_run_dir
 
     check_launch(cfg, args.overrides)  # before anything is written or started
     if inside_launcher():  # torchrun, deepspeed or srun started this process once per rank
@@ -124,8 +132,7 @@ def cmd_train(args) -> int:
             return 0
         result = train(cfg, run_dir)
     except BaseException as exc:  # whatever stopped it, a run that never took a step leaves nothing behind
-        close_run_log(ending=exc)
-        discard_unstarted_run(run_dir)
+        end_failed_run(run_dir, exc)
         raise
     print(done_line(result))
     return 0
@@ -372,18 +379,17 @@ def _refuse_unknown_arguments(parser: argparse.ArgumentParser, args, unknown: Li
     owner.error(f"unrecognized arguments: {' '.join(unknown)}{''.join(' ' + h for h in hints if h)}")
 
 
+def _not_the_cpu_accelerator_notice(record: logging.LogRecord) -> bool:
+    return not record.getMessage().startswith("Setting accelerator to CPU")
+
+
 def quiet_libraries(debug: bool) -> None:
     """What the libraries print that a user cannot act on stays out of ftctl's output (the CLI and every worker)."""
     # ftctl reports its own progress; the libraries' per-file bars would bury it.
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     # transformers asks DeepSpeed about ZeRO-3 whenever it saves a model, and on a machine without a GPU
     # DeepSpeed then warns it is "setting accelerator to CPU", in runs that use no DeepSpeed at all.
-    deepspeed_log = logging.getLogger("DeepSpeed")  # DeepSpeed's own logger, the same object once it is imported
-    if not any(getattr(f, "_ftctl", False) for f in deepspeed_log.filters):
-        accelerator_notice = logging.Filter()
-        accelerator_notice.filter = lambda record: not record.getMessage().startswith("Setting accelerator to CPU")
-        accelerator_notice._ftctl = True
-        deepspeed_log.addFilter(accelerator_notice)
+    logging.getLogger("DeepSpeed").addFilter(_not_the_cpu_accelerator_notice)  # DeepSpeed's own logger; adding twice is a no-op
     if not debug:  # deprecation notices between transformers and peft are not the user's to act on
         warnings.filterwarnings("ignore", category=FutureWarning)
 

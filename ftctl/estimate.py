@@ -36,6 +36,7 @@ from typing import Dict, List, Tuple
 from ftctl.config.schema import RunConfig
 from ftctl.errors import ConfigError
 from ftctl.models.architecture import HEAD_RETURNS_PLAIN_LOGITS, LINEAR_NAMES, Architecture
+from ftctl.parallel.support import bucket_elements
 from ftctl.paths import model_configs_dir
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -217,8 +218,6 @@ def estimate_memory(cfg: RunConfig, model_config: dict, source: str = "config") 
     # overlaps reduction with backward (overlap_comm) and holds two.
     buffers = 0.0
     if deepspeed:
-        from ftctl.parallel.support import bucket_elements
-
         buffers = bucket_elements(arch.hidden) * 4 * (2 if p.name == "zero2" else 1)
     offloaded = 0.0
     if p.offload_optimizer == "cpu" and deepspeed:

@@ -103,12 +103,10 @@ def train_under_launcher(cfg, debug: bool = False):
         try:
             result = train(cfg, run_dir)
         except BaseException as exc:  # whatever stopped it, as `ftctl train` does without a launcher
-            if place.rank == 0:  # the run dir is rank 0's: a run that never took a step leaves nothing behind
-                from ftctl.cli import close_run_log
-                from ftctl.training.run_dir import discard_unstarted_run
+            if place.rank == 0:  # the run dir is rank 0's
+                from ftctl.cli import end_failed_run
 
-                close_run_log(ending=exc)
-                discard_unstarted_run(run_dir)
+                end_failed_run(run_dir, exc)
             raise
         return result if place.rank == 0 else None
     finally:

@@ -85,11 +85,11 @@ def request_from_options(options: Dict[str, str]) -> ExportRequest:
 
 def _recorded_base(model: str) -> Optional[str]:
     """The base an adapter result (a run dir, its final/, a checkpoint) names, which an export merges it into."""
-    path = Path(model).expanduser()
-    for candidate in (path, path / "final"):
-        if (candidate / "adapter_config.json").is_file():
-            return json.loads((candidate / "adapter_config.json").read_text()).get("base_model_name_or_path")
-    return None
+    from ftctl.evaluation.evaluate import resolve_targets
+    from ftctl.merging import read_adapter_config
+
+    _, adapter_dir = resolve_targets(model, None)
+    return read_adapter_config(adapter_dir).get("base_model_name_or_path") if adapter_dir else None
 
 
 def _check_output(req: ExportRequest) -> Path:

@@ -81,10 +81,11 @@ def check_resumable_by(ckpt: Path, cfg: RunConfig) -> None:
     if not same:
         raise FtctlError(f"{ckpt} was written by parallel={written_by} and this run has parallel={parallel}; "
                          "resume with the backend that wrote it")
+    from ftctl.launch import world_size
     from ftctl.parallel.place import inside_launcher, process_place
 
     # Under torchrun, srun or the deepspeed launcher the launcher, not the config, sets the world size.
-    world = process_place().world_size if inside_launcher() else cfg.parallel.nproc_per_node * cfg.parallel.nnodes
+    world = process_place().world_size if inside_launcher() else world_size(cfg)
     if state.get("world_size", 1) != world:
         raise FtctlError(f"{ckpt} was written by {state['world_size']} processes and this run has {world}; "
                          "resume with the same parallel settings")
