@@ -28,7 +28,6 @@ accumulation); it is an upper bound by up to the smaller of gradients and activa
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Dict, List, Tuple
@@ -38,6 +37,7 @@ from ftctl.errors import ConfigError
 from ftctl.models.architecture import HEAD_RETURNS_PLAIN_LOGITS, LINEAR_NAMES, Architecture
 from ftctl.parallel.support import bucket_elements
 from ftctl.paths import model_configs_dir
+from ftctl.preflight import gpu_visible
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 QUANT_BLOCK = 64  # bitsandbytes 4-bit block size
@@ -92,15 +92,6 @@ def _read_json(path: Path) -> dict:
         raise ConfigError(f"{path}: not valid JSON ({exc})") from None
 
 
-def nvidia_gpu_visible() -> bool:
-    """Whether torch would find a GPU here, told without importing it: NVIDIA's driver lists one, or a
-    ROCm (/dev/kfd) or WSL2 (/dev/dxg) GPU device exists, and CUDA_VISIBLE_DEVICES does not hide them."""
-    if os.environ.get("CUDA_VISIBLE_DEVICES", None) == "":
-        return False
-    gpus = Path("/proc/driver/nvidia/gpus")
-    return (gpus.is_dir() and any(gpus.iterdir())) or os.path.exists("/dev/kfd") or os.path.exists("/dev/dxg")
-
-
 def machine_precision(name: str) -> str:
     """What precision=auto resolves to on this machine, as ftctl.precision decides, without torch.
 
@@ -108,7 +99,7 @@ def machine_precision(name: str) -> str:
     """
     if name != "auto":
         return name
-    if nvidia_gpu_visible():
+    if gpu_visible():
         return "bf16"
     try:
         flags = next((line for line in open("/proc/cpuinfo") if line.startswith("flags")), "").split()
@@ -386,7 +377,7 @@ def activation_bytes(arch: Architecture, cfg: RunConfig, adapted: set, tokens: i
     notes: List[str] = []
     dora = m.name != "full" and (m.use_dora or m.name == "dora")
     # The fused path's condition (ftctl.methods.fused_lora): plain LoRA, fp32 without autocast, on a CPU.
-    dropout_bits = m.name == "lora" and not dora and stream_dtype == matmul_dtype == 4 and not nvidia_gpu_visible()
+    dropout_bits = m.name == "lora" and not dora and stream_dtype == matmul_dtype == 4 and not gpu_visible()
     args = (arch, m.name, adapted, m.dropout, m.r, dora)
     stream, matmul, masks = layer_activation_elements(*args, grad_reaches_input=True, dropout_bits=dropout_bits)
     per_layer = tokens * (stream_dtype * stream + matmul_dtype * matmul + masks)

@@ -1,11 +1,13 @@
 """What `ftctl train` checks after the config validated and before it writes or starts anything.
 
 Torch-free, so ``--dry-run`` runs the same checks as a real run: the files the config names, the
-method × backend × precision × device combination, and the rules of multi-node launches.
+method × backend × precision × device combination, and the rules of multi-node launches. The GPU
+probe here also serves the estimator and ``precision=auto`` in dry runs.
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -38,8 +40,15 @@ def check_launch(cfg: RunConfig, overrides: Sequence[str], device_type: Optional
         )
 
 
+def gpu_visible() -> bool:
+    """Whether torch would find a GPU here, told without importing it: NVIDIA's driver lists one, or a
+    ROCm (/dev/kfd) or WSL2 (/dev/dxg) GPU device exists, and CUDA_VISIBLE_DEVICES does not hide them."""
+    if os.environ.get("CUDA_VISIBLE_DEVICES", None) == "":
+        return False
+    gpus = Path("/proc/driver/nvidia/gpus")
+    return (gpus.is_dir() and any(gpus.iterdir())) or os.path.exists("/dev/kfd") or os.path.exists("/dev/dxg")
+
+
 def visible_device_type() -> str:
     """The device a run here would train on, as far as it can be told without importing torch."""
-    from ftctl.estimate import nvidia_gpu_visible
-
-    return "cuda" if nvidia_gpu_visible() else "cpu"
+    return "cuda" if gpu_visible() else "cpu"

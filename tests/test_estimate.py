@@ -173,9 +173,9 @@ def test_dry_run_prints_the_plan_and_memory_without_training(capsys, tmp_path):
     ids=lambda v: " ".join(v) if isinstance(v, list) else None,
 )
 def test_dry_run_refuses_what_a_real_run_here_would(overrides, message, capsys, tmp_path):
-    from ftctl.estimate import nvidia_gpu_visible
+    from ftctl.preflight import gpu_visible
 
-    if nvidia_gpu_visible() and "GPU" in message:
+    if gpu_visible() and "GPU" in message:
         pytest.skip("a refusal of CPU-only machines")
     out = tmp_path / "never"
     assert main(["train", "recipe=tiny_lora", f"output_dir={out}", *overrides, "--dry-run"]) in (1, 2)

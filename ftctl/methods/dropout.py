@@ -8,9 +8,10 @@ SFC64 (twice as fast as torch's 64-bit ``random_``, whose mt19937 makes two 32-b
 seeded per call by one draw from torch's generator, so ``torch.manual_seed`` and a checkpoint's RNG
 state still fix every mask. It reads each number as four uniform 16-bit integers, drops an element
 when its integer falls in the lowest p share of the range (p rounded to a multiple of 1/65536) and
-scales the kept ones by 1/(1-p), as nn.Dropout does. For backward it keeps a 1-byte mask where nn.Dropout keeps fp32 noise. The mask is uint8, not bool:
-a float tensor times a bool tensor takes torch's slow type-promotion path on CPUs (about 4x the
-time of the same product with uint8). On other devices it is plain ``F.dropout``, whose fused
+scales the kept ones by 1/(1-p), as nn.Dropout does. For backward it keeps a 1-byte mask where
+nn.Dropout keeps fp32 noise (the fused LoRA path keeps the 16-bit numbers instead, see
+ftctl.methods.fused_lora). The mask is uint8, not bool: a float tensor times a bool tensor takes
+torch's slow type-promotion path on CPUs (about 4x the time of the same product with uint8). On other devices it is plain ``F.dropout``, whose fused
 kernels are fast already.
 """
 

@@ -27,10 +27,10 @@ from ftctl.config.validate import gradient_accumulation_steps
 from ftctl.errors import FtctlError
 from ftctl.parallel.base import Engine, StepResult
 from ftctl.parallel.distributed import DataParallelBackend
-from ftctl.parallel.support import bucket_elements
+from ftctl.parallel.support import CHECKPOINT_STATE_DIRS, DEEPSPEED_CONFIG_FILE, bucket_elements
 
-CONFIG_FILE = "deepspeed_config.json"
-STATE_DIR = "deepspeed"  # DeepSpeed's own checkpoint layout inside an ftctl checkpoint dir
+CONFIG_FILE = DEEPSPEED_CONFIG_FILE
+STATE_DIR = CHECKPOINT_STATE_DIRS["zero1"]  # DeepSpeed's own checkpoint layout inside an ftctl checkpoint dir
 STATE_TAG = "state"
 STAGES = {"zero1": 1, "zero2": 2, "zero3": 3}
 

@@ -18,8 +18,9 @@ import torch
 from ftctl.errors import FtctlError
 from ftctl.parallel.base import TorchEngine
 from ftctl.parallel.distributed import DataParallelBackend
+from ftctl.parallel.support import CHECKPOINT_STATE_DIRS
 
-STATE_DIR = "fsdp_state"  # torch.distributed.checkpoint shards of trainable weights and optimizer state
+STATE_DIR = CHECKPOINT_STATE_DIRS["fsdp"]  # torch.distributed.checkpoint shards of trainable weights and optimizer state
 SCALER_FILE = "scaler.pt"
 
 

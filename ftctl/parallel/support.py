@@ -16,6 +16,12 @@ from ftctl.errors import ConfigError
 ZERO_STAGES = ("zero1", "zero2", "zero3")
 SHARDED = ("fsdp", "zero3")  # backends that partition the parameters themselves
 
+#: The dir each sharding backend keeps its own state in inside an ftctl checkpoint dir (weights'
+#: shards and optimizer state); single and ddp write optimizer.rank<N>.pt files instead.
+CHECKPOINT_STATE_DIRS = {"fsdp": "fsdp_state", **{stage: "deepspeed" for stage in ZERO_STAGES}}
+#: The DeepSpeed config a ZeRO run writes into its run dir.
+DEEPSPEED_CONFIG_FILE = "deepspeed_config.json"
+
 
 def bucket_elements(hidden_size: int) -> int:
     """Elements per DeepSpeed gradient-reduction and all-gather bucket: hidden², as transformers' "auto" sets it.

@@ -18,6 +18,7 @@ import torch
 
 from ftctl.config.schema import RunConfig
 from ftctl.errors import FtctlError
+from ftctl.parallel.support import CHECKPOINT_STATE_DIRS
 from ftctl.training.checkpoint import STATE_FILE, complete_checkpoints, set_rng_state
 
 log = logging.getLogger("ftctl")
@@ -61,10 +62,7 @@ def resume_checkpoint(cfg: RunConfig, run_dir: Path) -> Optional[Path]:
     return path
 
 
-#: The dir each backend keeps its optimizer state in inside a checkpoint; single and ddp write
-#: optimizer.rank<N>.pt files instead.
-STATE_DIRS = {"fsdp": "fsdp_state", "zero1": "deepspeed", "zero2": "deepspeed", "zero3": "deepspeed"}
-SAME_LAYOUT = {"single", "ddp"}
+SAME_LAYOUT = {"single", "ddp"}  # neither keeps a state dir of its own (CHECKPOINT_STATE_DIRS)
 
 
 def check_resumable_by(ckpt: Path, cfg: RunConfig) -> None:
@@ -75,17 +73,18 @@ def check_resumable_by(ckpt: Path, cfg: RunConfig) -> None:
     if written_by is not None:
         same = written_by == parallel or {written_by, parallel} <= SAME_LAYOUT
     else:  # a checkpoint from before the backend was recorded: tell it by its layout
-        found = next((d for d in sorted(set(STATE_DIRS.values())) if (ckpt / d).is_dir()), None)
-        written_by = {"deepspeed": "zero1/2/3", "fsdp_state": "fsdp", None: "single or ddp"}[found]
-        same = found == STATE_DIRS.get(parallel)
+        found = next((d for d in sorted(set(CHECKPOINT_STATE_DIRS.values())) if (ckpt / d).is_dir()), None)
+        written_by = {None: "single or ddp", CHECKPOINT_STATE_DIRS["fsdp"]: "fsdp", CHECKPOINT_STATE_DIRS["zero1"]: "zero1/2/3"}[found]
+        same = found == CHECKPOINT_STATE_DIRS.get(parallel)
     if not same:
         raise FtctlError(f"{ckpt} was written by parallel={written_by} and this run has parallel={parallel}; "
                          "resume with the backend that wrote it")
     from ftctl.launch import world_size
-    from ftctl.parallel.place import inside_launcher, process_place
+    from ftctl.parallel.place import process_place
 
     # Under torchrun, srun or the deepspeed launcher the launcher, not the config, sets the world size.
-    world = process_place().world_size if inside_launcher() else world_size(cfg)
+    place = process_place()
+    world = place.world_size if place.launcher != "none" else world_size(cfg)
     if state.get("world_size", 1) != world:
         raise FtctlError(f"{ckpt} was written by {state['world_size']} processes and this run has {world}; "
                          "resume with the same parallel settings")

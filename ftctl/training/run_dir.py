@@ -9,12 +9,13 @@ from pathlib import Path
 from ftctl.config.compose import load_resolved, to_yaml
 from ftctl.config.schema import RunConfig
 from ftctl.errors import FtctlError
+from ftctl.parallel.support import DEEPSPEED_CONFIG_FILE
 from ftctl.preflight import check_files
 from ftctl.training.checkpoint import STATE_FILE, complete_checkpoints
 
 CONFIG_FILE = "config.yaml"
 #: What a run writes into its dir; overwrite=true deletes exactly these.
-RUN_OUTPUTS = ("checkpoints", "final", "metrics.jsonl", "tensorboard", "train.log", "deepspeed_config.json", CONFIG_FILE)
+RUN_OUTPUTS = ("checkpoints", "final", "metrics.jsonl", "tensorboard", "train.log", DEEPSPEED_CONFIG_FILE, CONFIG_FILE)
 
 
 def prepare_run_dir(cfg: RunConfig) -> Path:
