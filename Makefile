@@ -10,7 +10,7 @@ TORCH_PIP_ARGS ?=
 STAMP := $(VENV)/.ftctl-installed
 export FTCTL_HOME ?= $(CURDIR)/.ftctl-home
 
-.PHONY: setup demo test clean
+.PHONY: setup demo test test-precision clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -26,6 +26,11 @@ demo: setup
 
 test: setup
 	$(PY) -m pytest -q tests
+
+# precision=auto's tests with the CPU bf16 probe forced each way (.ci/run runs this after `make test`).
+test-precision: setup
+	FTCTL_CPU_BF16=1 $(PY) -m pytest -q -m precision tests
+	FTCTL_CPU_BF16=0 $(PY) -m pytest -q -m precision tests
 
 clean:
 	rm -rf $(VENV) .ftctl-home runs .pytest_cache

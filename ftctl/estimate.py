@@ -37,7 +37,7 @@ from ftctl.errors import ConfigError
 from ftctl.models.architecture import HEAD_RETURNS_PLAIN_LOGITS, LINEAR_NAMES, Architecture
 from ftctl.parallel.support import bucket_elements
 from ftctl.paths import model_configs_dir
-from ftctl.preflight import gpu_visible
+from ftctl.preflight import auto_precision, gpu_visible, visible_device_type
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 QUANT_BLOCK = 64  # bitsandbytes 4-bit block size
@@ -93,19 +93,9 @@ def _read_json(path: Path) -> dict:
 
 
 def machine_precision(name: str) -> str:
-    """What precision=auto resolves to on this machine, as ftctl.precision decides, without torch.
-
-    bf16 with an NVIDIA GPU or a CPU with native bf16, fp32 otherwise (fp16 on old GPUs has bf16's size).
-    """
-    if name != "auto":
-        return name
-    if gpu_visible():
-        return "bf16"
-    try:
-        flags = next((line for line in open("/proc/cpuinfo") if line.startswith("flags")), "").split()
-    except OSError:
-        flags = []
-    return "bf16" if "avx512_bf16" in flags or "amx_bf16" in flags else "fp32"
+    """What precision=auto resolves to on this machine, by the rule training uses, without torch
+    (fp16 on old GPUs has bf16's size)."""
+    return auto_precision(visible_device_type()) if name == "auto" else name
 
 
 # ------------------------------------------------------------------------------------- the estimate

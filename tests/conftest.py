@@ -1,4 +1,5 @@
-"""Shared fixtures: an isolated FTCTL_HOME, one tiny random Llama per session, and a config builder."""
+"""Shared fixtures: an isolated FTCTL_HOME, one tiny random Llama per session, a config builder, and a
+guard that keeps the suite independent of the CPU's bf16 support."""
 
 from __future__ import annotations
 
@@ -20,6 +21,22 @@ def ftctl_home(tmp_path_factory) -> Path:
     return home
 
 
+@pytest.fixture(autouse=True)
+def precision_auto_only_where_marked(request, monkeypatch):
+    """`precision=auto` means bf16 on CPUs with native bf16 and fp32 elsewhere, so a test that lets the
+    CPU probe decide tests a different thing on each machine. Such a test names its precision, or is
+    marked `precision` and sets the probe itself (FTCTL_CPU_BF16); `.ci/run` runs those both ways."""
+    if request.node.get_closest_marker("precision"):
+        return
+    import ftctl.preflight as preflight
+
+    def unexpected_probe():
+        pytest.fail("this test let precision=auto ask the CPU for bf16: pass precision=fp32 (or bf16) explicitly, "
+                    "or mark it @pytest.mark.precision and set FTCTL_CPU_BF16", pytrace=False)
+
+    monkeypatch.setattr(preflight, "cpu_has_native_bf16", unexpected_probe)
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
     """A 2-layer random Llama with a ChatML tokenizer (pad token distinct from EOS)."""
@@ -38,7 +55,7 @@ def tiny_model_no_template_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture
 def make_cfg(tiny_model_dir, tmp_path):
-    """compose_config with the tiny model, a fresh output dir and quiet logging; extra overrides win."""
+    """compose_config with the tiny model, fp32, a fresh output dir and quiet logging; extra overrides win."""
     from ftctl.config.compose import compose_config
 
     def build(*overrides: str, model_dir: Path | None = None):
@@ -46,6 +63,7 @@ def make_cfg(tiny_model_dir, tmp_path):
             "recipe=tiny_lora",
             f"model.name_or_path={model_dir or tiny_model_dir}",
             f"output_dir={tmp_path / 'run'}",
+            "precision=fp32",
             "train.progress_bar=false",
             "train.tensorboard=false",
         ]

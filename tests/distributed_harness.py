@@ -1,7 +1,7 @@
 """Test-only worker: one torchrun launch runs many trainings in sequence and records what each backend did.
 
 Run as ``python -m torch.distributed.run --nproc-per-node N tests/distributed_harness.py PLAN.json OUT_DIR``.
-PLAN.json is a list of jobs ``{"id", "overrides", "overflow_at_forward"?, "cli"?}``. Every rank trains
+PLAN.json is a list of jobs ``{"id", "overrides", "overflow_at_forward"?, "stop_after_step"?, "cli"?}``. Every rank trains
 each job through the real runner (``ftctl.training.runner.train``) or, for ``"cli"`` jobs, through
 ``ftctl train`` running in place under the launcher. The engine the backend built is kept, and after
 training each rank measures what it really holds: how many elements of the trainable parameters,
@@ -70,7 +70,37 @@ def expected_shard_rows(rows: int, rank: int, world: int) -> int:
     return len(chunks[rank]) if rank < len(chunks) else 0
 
 
-def measure(engine, model, rank: int, world: int, grad_numel_before_step) -> dict:
+def record_compute_dtypes(model: torch.nn.Module, seen: set) -> None:
+    """Record the output dtype of the first decoder layer's first linear layer: the precision the
+    matmuls really ran in (bf16/fp16 under autocast or a backend's own mixed precision)."""
+    from ftctl.parallel.fsdp import decoder_layers
+
+    first_linear = next(m for m in decoder_layers(model)[0].modules() if isinstance(m, torch.nn.Linear))
+    first_linear.register_forward_hook(lambda module, args, output: seen.add(str(output.dtype)))
+
+
+class StopAfterSteps:
+    """A StopRequest that asks to stop after ``steps`` steps, as a SIGTERM arriving then would."""
+
+    def __init__(self, stop_request_class, steps: int):
+        self.stop_request_class, self.steps = stop_request_class, steps
+
+    def __call__(self):
+        steps = self.steps
+
+        class StopAfter(self.stop_request_class):
+            checked = 0
+
+            def requested(self, backend):
+                self.checked += 1
+                if self.checked == steps:
+                    self.signal_name = "SIGTERM"
+                return super().requested(backend)
+
+        return StopAfter()
+
+
+def measure(engine, model, rank: int, world: int, grad_numel_before_step, compute_dtypes=()) -> dict:
     trainable = [p for p in model.parameters() if p.requires_grad]
     frozen = [p for p in model.parameters() if not p.requires_grad]
     dtensor_shard0 = rows_as_expected = 0
@@ -96,6 +126,7 @@ def measure(engine, model, rank: int, world: int, grad_numel_before_step) -> dic
         "optimizer_state_dtypes": sorted({str(s["exp_avg"].dtype) for s in states}),
         "trainable_dtypes": sorted({str(getattr(p, "ds_tensor", p).dtype) for p in trainable}),
         "grad_local_before_first_step": grad_numel_before_step,
+        "compute_dtypes": sorted(compute_dtypes),
     }
 
 
@@ -110,8 +141,11 @@ def run_job(job: dict, rank: int, world: int, common: list) -> dict:
     if job.get("cli"):
         return {"returncode": ftctl_main(["train", *common, *job["overrides"]])}
 
-    seen = {}
+    from ftctl.training.interrupts import TrainingInterrupted
+
+    seen = {"compute_dtypes": set()}
     create_backend = runner.create_backend
+    stop_request = runner.StopRequest
 
     def recording_backend(cfg):
         backend = create_backend(cfg)
@@ -120,6 +154,7 @@ def run_job(job: dict, rank: int, world: int, common: list) -> dict:
         def recording_prepare(model, make_optimizer, precision):
             if job.get("overflow_at_forward") is not None and rank == 0:
                 install_overflow(model, job["overflow_at_forward"])
+            record_compute_dtypes(model, seen["compute_dtypes"])
             engine = prepare(model, make_optimizer, precision)
             step = engine.step
 
@@ -140,11 +175,19 @@ def run_job(job: dict, rank: int, world: int, common: list) -> dict:
         prepare_run_dir(cfg)
     dist.barrier()
     runner.create_backend = recording_backend
+    if job.get("stop_after_step"):
+        runner.StopRequest = StopAfterSteps(stop_request, job["stop_after_step"])
+    interrupted = False
     try:
         runner.train(cfg, Path(cfg.output_dir))
+    except TrainingInterrupted:
+        if not job.get("stop_after_step"):
+            raise
+        interrupted = True
     finally:
-        runner.create_backend = create_backend
-    return measure(seen["engine"], seen["model"], rank, world, seen.get("grad"))
+        runner.create_backend, runner.StopRequest = create_backend, stop_request
+    return {**measure(seen["engine"], seen["model"], rank, world, seen.get("grad"), seen["compute_dtypes"]),
+            "interrupted": interrupted}
 
 
 def main(plan_path: str, out_dir: str) -> int:

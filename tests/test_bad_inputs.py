@@ -52,7 +52,7 @@ def test_bad_input_is_one_clear_line(case, tmp_path, tiny_model_dir, capsys):
     data_dir.mkdir()
     out = tmp_path / "run"
     args = ["train", "recipe=tiny_lora", f"model.name_or_path={tiny_model_dir}", f"output_dir={out}",
-            "train.progress_bar=false", "train.tensorboard=false", *make_args(data_dir)]
+            "precision=fp32", "train.progress_bar=false", "train.tensorboard=false", *make_args(data_dir)]
     code = main(args)
     err = capsys.readouterr().err
     assert code in (1, 2)
@@ -64,8 +64,16 @@ def test_bad_input_is_one_clear_line(case, tmp_path, tiny_model_dir, capsys):
     assert not out.exists(), "a failed run left files behind"
 
 
-def test_debug_shows_the_traceback(tmp_path):
+def test_debug_shows_the_traceback_and_only_debug_does(tmp_path):
+    import subprocess
+    import sys
+
     from ftctl.errors import ConfigError
 
     with pytest.raises(ConfigError):
         main(["--debug", "train", "train.lrr=1"])
+    plain, debug = (subprocess.run([sys.executable, "-m", "ftctl", *flag, "train", "train.lrr=1"], capture_output=True,
+                                   text=True, timeout=120) for flag in ([], ["--debug"]))
+    assert plain.returncode == 2 and "Traceback" not in plain.stderr
+    assert plain.stderr.strip().splitlines() == [plain.stderr.strip()] and plain.stderr.startswith("ftctl: error: ")
+    assert debug.returncode != 0 and "Traceback (most recent call last)" in debug.stderr and "ConfigError" in debug.stderr

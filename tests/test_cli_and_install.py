@@ -9,19 +9,23 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parent.parent
+SUBPROCESS_TIMEOUT = 600  # a hung command fails its test instead of stalling CI
 
 
 def run_ftctl(*args, cwd=None, env=None):
     return subprocess.run([sys.executable, "-m", "ftctl", *args], capture_output=True, text=True, cwd=cwd,
-                          env={**os.environ, **(env or {})})
+                          env={**os.environ, **(env or {})}, timeout=SUBPROCESS_TIMEOUT)
 
 
+@pytest.mark.slow
 def test_non_editable_install_finds_recipes_and_formats_from_another_dir(tmp_path):
     site = tmp_path / "site"
     build = subprocess.run(
         [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--target", str(site), str(REPO)],
-        capture_output=True, text=True,
+        capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT,
     )
     assert build.returncode == 0, build.stderr
     elsewhere = tmp_path / "elsewhere"
@@ -31,7 +35,7 @@ def test_non_editable_install_finds_recipes_and_formats_from_another_dir(tmp_pat
         [sys.executable, "-c",
          "import ftctl, data_formats; from ftctl.paths import recipes_dir, samples_dir; "
          "print(ftctl.__file__); print(recipes_dir()); print(samples_dir()); print(data_formats.available())"],
-        capture_output=True, text=True, cwd=elsewhere, env={**os.environ, **env},
+        capture_output=True, text=True, cwd=elsewhere, env={**os.environ, **env}, timeout=SUBPROCESS_TIMEOUT,
     )
     assert probe.returncode == 0, probe.stderr
     module_file, recipes, samples, formats = probe.stdout.splitlines()
@@ -44,10 +48,11 @@ def test_non_editable_install_finds_recipes_and_formats_from_another_dir(tmp_pat
     assert f"path: {site / 'data_formats' / 'samples' / 'alpaca_sample.jsonl'}" in shown.stdout, shown.stderr
 
 
+@pytest.mark.slow
 def test_train_on_the_command_line_writes_a_complete_run_dir(tmp_path, tiny_model_dir):
     out = tmp_path / "run"
     args = ["train", "recipe=tiny_lora", f"model.name_or_path={tiny_model_dir}", f"output_dir={out}",
-            "train.max_steps=4", "train.save_every=2", "train.progress_bar=false"]
+            "train.max_steps=4", "train.save_every=2", "precision=fp32", "train.progress_bar=false"]
     done = run_ftctl(*args)
     assert done.returncode == 0, done.stderr
     assert "done: 4 steps" in done.stdout
@@ -102,7 +107,8 @@ def test_every_command_has_its_own_help_and_usage_errors(capsys):
 
 def test_output_piped_into_a_reader_that_quits_is_not_an_error():
     # `true` exits without reading, so ftctl's first flush meets a closed pipe.
-    proc = subprocess.run(f"'{sys.executable}' -m ftctl config-docs | true", shell=True, capture_output=True, text=True)
+    proc = subprocess.run(f"'{sys.executable}' -m ftctl config-docs | true", shell=True, capture_output=True, text=True,
+                          timeout=SUBPROCESS_TIMEOUT)
     assert proc.stderr == "", proc.stderr
 
 
@@ -119,11 +125,12 @@ def test_a_broken_pipe_elsewhere_is_still_an_error(monkeypatch):
         cli.main(["recipes"])
 
 
+@pytest.mark.slow
 def test_a_multi_process_full_fine_tune_prints_only_ftctl(tmp_path, tiny_model_dir):
     # Library chatter a user cannot act on stays out: transformers' FutureWarnings in every worker, and
     # DeepSpeed's "Setting accelerator to CPU" when transformers asks it about ZeRO-3 while saving.
     done = run_ftctl("train", "recipe=tiny_lora", f"model.name_or_path={tiny_model_dir}", f"output_dir={tmp_path / 'run'}",
-                     "method=full", "parallel=ddp", "parallel.nproc_per_node=2", "train.max_steps=2", "train.progress_bar=false")
+                     "method=full", "parallel=ddp", "parallel.nproc_per_node=2", "train.max_steps=2", "precision=fp32", "train.progress_bar=false")
     assert done.returncode == 0, done.stderr
     for noise in ("FutureWarning", "Setting accelerator to CPU", "Traceback"):
         assert noise not in done.stderr, done.stderr

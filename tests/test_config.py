@@ -18,13 +18,27 @@ def test_every_recipe_composes_and_validates(recipe):
     assert cfg.train.global_batch_size % cfg.train.micro_batch_size == 0
 
 
+def _chosen(cfg, group):
+    """What a group option sets that tells it apart from the others of its group."""
+    if group == "model":
+        return cfg.model.config_file or cfg.model.name_or_path
+    if group == "data":
+        return cfg.data.path
+    return getattr(cfg, group).name
+
+
 @pytest.mark.parametrize("group", ["model", "method", "parallel", "precision", "data"])
 def test_every_group_option_composes(group):
+    chosen = {}
     for option in group_options(group):
         overrides = [f"{group}={option}"]
         if group == "parallel" and option != "single":
             overrides.append("parallel.nproc_per_node=2")
-        compose_config(overrides)
+        cfg = compose_config(overrides)
+        chosen[option] = _chosen(cfg, group)
+        if group in ("method", "parallel", "precision"):
+            assert chosen[option] == option  # the option file names what it selects
+    assert len(set(chosen.values())) == len(chosen), f"two {group} options select the same thing: {chosen}"
 
 
 def test_recipe_list_has_command_and_description():
@@ -113,14 +127,14 @@ def test_resolved_config_round_trips(tmp_path):
 
 def test_cli_cfg_prints_config_and_errors_are_messages(tmp_path):
     ok = subprocess.run([sys.executable, "-m", "ftctl", "train", "recipe=tiny_lora", "seed=3", "--cfg"],
-                        capture_output=True, text=True)
+                        capture_output=True, text=True, timeout=120)
     assert ok.returncode == 0, ok.stderr
     assert "seed: 3" in ok.stdout and "name: lora" in ok.stdout
-    bad = subprocess.run([sys.executable, "-m", "ftctl", "train", "train.lrr=1"], capture_output=True, text=True)
+    bad = subprocess.run([sys.executable, "-m", "ftctl", "train", "train.lrr=1"], capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2
     assert bad.stderr.strip() == (
         "ftctl: error: unknown config key 'train.lrr'. Did you mean 'train.lr'? (`ftctl config-docs` lists every key)"
     )
     assert "Traceback" not in bad.stderr
-    listing = subprocess.run([sys.executable, "-m", "ftctl", "recipes"], capture_output=True, text=True)
+    listing = subprocess.run([sys.executable, "-m", "ftctl", "recipes"], capture_output=True, text=True, timeout=120)
     assert "tiny_lora" in listing.stdout

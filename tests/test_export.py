@@ -289,10 +289,13 @@ def test_export_arguments_are_checked(args, message, capsys):
     assert message in err and err.startswith("ftctl: error:")
 
 
-def test_existing_output_is_kept_unless_overwrite(exported, distinctive_model_dir, capsys):
+def test_existing_output_is_kept_unless_overwrite(exported, distinctive_model_dir, capsys, tmp_path):
+    import shutil
+
     from ftctl.cli import main
 
-    path = exported("f16")
+    # A copy: the module's cached f16 file must stay f16 for the round-trip tests, whatever their order.
+    path = Path(shutil.copy(exported("f16"), tmp_path / "m.gguf"))
     before = path.stat().st_mtime_ns
     assert main(["export", f"model={distinctive_model_dir}", "format=gguf", f"output={path}"]) == 1
     assert "exists; choose another name or pass overwrite=true" in capsys.readouterr().err

@@ -26,7 +26,8 @@ def test_pack_rows_uses_few_short_rows_and_never_splits():
     assert sorted(i for row in rows for i in row) == list(range(len(lengths)))
     assert all(sum(lengths[i] for i in row) <= 100 for row in rows)
     assert len(rows) == 4  # 320 tokens need 4 rows of 100
-    assert pack_rows(lengths, 100) == rows  # deterministic
+    # Longest first, each dealt to the least-filled row: 100 | 70+10 | 50+20 | 40+30.
+    assert rows == [[6], [1, 2], [0, 5], [3, 4]]
     # First fit alone would give 300+200 | 120+90 (width 500); balancing the two rows gives width 390.
     balanced = pack_rows([300, 120, 200, 90], 512)
     assert len(balanced) == 2 and max(sum([300, 120, 200, 90][i] for i in row) for row in balanced) == 390

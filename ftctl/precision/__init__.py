@@ -8,32 +8,20 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from functools import lru_cache
 
 import torch
 
 from ftctl.config.schema import PrecisionConfig
+from ftctl.preflight import auto_precision
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-@lru_cache(maxsize=1)
-def cpu_has_native_bf16() -> bool:
-    """True when the CPU computes bf16 in hardware (AVX512-BF16 or AMX); emulated bf16 is far slower than fp32."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        return False
-    return any(flag in flags.split() for flag in ("avx512_bf16", "amx_bf16"))
 
 
 def resolve_precision_name(name: str, device: torch.device) -> str:
     if name != "auto":
         return name
-    if device.type == "cuda":
-        return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
-    return "bf16" if device.type == "cpu" and cpu_has_native_bf16() else "fp32"
+    cuda_bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
+    return auto_precision(device.type, cuda_bf16)
 
 
 @dataclass

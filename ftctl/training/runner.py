@@ -56,10 +56,12 @@ def seed_everything(seed: int) -> None:
 
 def train(cfg: RunConfig, run_dir: Path) -> TrainResult:
     backend = create_backend(cfg)
+    threads = torch.get_num_threads()  # train.num_threads is this run's; a caller's process keeps its own
     try:
         return _train(cfg, Path(run_dir), backend)
     finally:
         backend.close()
+        torch.set_num_threads(threads)
 
 
 def _train(cfg: RunConfig, run_dir: Path, backend) -> TrainResult:
