@@ -106,12 +106,13 @@ def cmd_train(args) -> int:
         check_files(cfg)
         check_launch(cfg, args.overrides, visible_device_type())
         return 0
+    check_files(cfg)  # before torch loads: a wrong path or an unreachable hub is a message within seconds
+    check_launch(cfg, args.overrides)  # before anything is written or started
     from ftctl.launch import launch_workers, world_size
     from ftctl.parallel.place import inside_launcher
     from ftctl.worker import done_line
     from ftctl.training.run_dir import prepare_run_dir
 
-    check_launch(cfg, args.overrides)  # before anything is written or started
     if inside_launcher():  # torchrun, deepspeed or srun started this process once per rank
         from ftctl.worker import train_under_launcher
 

@@ -197,9 +197,10 @@ ALTERNATIVE_KEYS = {
 
 def _unset_alternatives(overrides: Sequence[str]) -> List[str]:
     values = dict(o.split("=", 1) for o in overrides if "=" in o)
+    unsetting = {other: unset for other, unset in ALTERNATIVE_KEYS.values()}  # each key's own "not set"
     return [
         f"{other}={unset}" for key, (other, unset) in ALTERNATIVE_KEYS.items()
-        if key in values and other not in values and values[key].strip().lower() not in ("null", "0", "0.0")
+        if key in values and other not in values and values[key].strip().lower() not in (unsetting[key], unsetting[key] + ".0")
     ]
 
 

@@ -26,6 +26,9 @@ def resolve_model_path(name_or_path: str, key: str = "model.name_or_path") -> st
             raise FtctlError(f"{key}={name_or_path}: {path} is not a model dir (no config.json)")
         return str(path.resolve())
     if _HUB_ID.match(name_or_path) and not name_or_path.startswith((".", "/", "~")):
+        from ftctl.models.hub import ensure_hub_model_available
+
+        ensure_hub_model_available(name_or_path, key)
         return name_or_path
     known = ", ".join(sorted(aliases()))
     raise FtctlError(f"{key}={name_or_path}: no such dir, alias or hub id (aliases: {known})")
