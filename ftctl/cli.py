@@ -103,7 +103,7 @@ def cmd_train(args) -> int:
 
         print(describe_run(cfg), flush=True)
         # After the plan, which may be meant for another machine: what a run here would refuse.
-        check_files(cfg)
+        check_files(cfg, check_hub=False)
         check_launch(cfg, args.overrides, visible_device_type())
         return 0
     check_files(cfg)  # before torch loads: a wrong path or an unreachable hub is a message within seconds
