@@ -143,7 +143,7 @@ def cmd_estimate(args) -> int:
     from ftctl.config.compose import compose_config
     from ftctl.estimate import estimate_for, format_table, to_json
 
-    estimate = estimate_for(compose_config(args.overrides))
+    estimate = estimate_for(compose_config(args.overrides, args.config))
     print(to_json(estimate) if args.json else format_table(estimate))
     return 0
 
@@ -232,7 +232,7 @@ def cmd_data_preview(args) -> int:
     from ftctl.config.compose import compose_config
 
     extra, overrides = _split_extra(args.overrides, "n")
-    cfg = compose_config(overrides)
+    cfg = compose_config(overrides, args.config)
     from ftctl.data.preview import preview
 
     preview(cfg, int(extra.get("n", 3)), color=sys.stdout.isatty())
@@ -363,6 +363,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     estimate.add_argument("overrides", nargs="*", help="config overrides, key=value (as for train)")
     estimate.add_argument("--json", action="store_true", help="print a JSON object (weights_bytes, ..., total_bytes)")
+    estimate.add_argument("--config", metavar="FILE", help="a recipe file from anywhere, as for train")
     estimate.set_defaults(func=cmd_estimate)
     models = sub.add_parser("models", prog="ftctl models", help="list built-in model aliases", description="ftctl models [--prepare NAME | --rebuild NAME]")
     models.add_argument("--prepare", metavar="NAME", help="build or convert the alias's model now (once) and print its dir")
@@ -400,6 +401,7 @@ def build_parser() -> argparse.ArgumentParser:
     data_sub = data.add_subparsers(dest="data_command", metavar="subcommand")
     prev = data_sub.add_parser("preview", help="rendered examples with trained spans marked")
     prev.add_argument("overrides", nargs="*")
+    prev.add_argument("--config", metavar="FILE", help="a recipe file from anywhere, as for train")
     prev.set_defaults(func=cmd_data_preview)
     for name, p in sub.choices.items():
         p.prog = f"ftctl {name}"  # not the top-level usage, which argparse would put in front of every one

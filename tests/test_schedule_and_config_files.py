@@ -52,7 +52,7 @@ def test_epochs_count_steps_over_the_users_data_and_warmup_ratio_with_a_linear_d
                               f"output_dir={out}", "train.epochs=2", "train.global_batch_size=4", "train.lr=0.01",
                               "train.warmup_ratio=0.3", "train.lr_scheduler=linear", *QUIET)
     assert code == 0, err
-    assert "train.epochs=2: 6 steps" in stdout  # ceil(2 × 12 / 4)
+    assert "train.epochs=2 over 12 train examples: 6 steps" in stdout  # ceil(2 × 12 / 4)
     metrics = read_metrics(out)
     assert [m["step"] for m in metrics if "loss" in m] == [1, 2, 3, 4, 5, 6]
     assert metrics[-1]["epoch"] == pytest.approx(2.0)

@@ -78,7 +78,7 @@ def _train(cfg: RunConfig, run_dir: Path, backend) -> TrainResult:
     _log_data(backend, train_data, eval_data, t.eval_every)
     steps = total_steps(t, len(train_data))
     if backend.is_main and t.epochs is not None:
-        log.info("train.epochs=%g: %d steps of %d examples over %d train examples", t.epochs, steps, t.global_batch_size, len(train_data))
+        log.info("train.epochs=%g over %d train examples: %d steps of %d examples", t.epochs, len(train_data), steps, t.global_batch_size)
 
     model = method.build_model(model_path, precision, backend.build_device)
     use_fast_rms_norm(model)
