@@ -290,7 +290,7 @@ def _finish(cfg) -> RunConfig:
 def recipe_yaml(name: str) -> str:
     """A preset as one full config file to edit and train with --config: every key, its run dir still timestamped."""
     run = _finish(compose_unresolved([f"recipe={name}"]))
-    run.output_dir = dataclasses.fields(RunConfig)[[f.name for f in dataclasses.fields(RunConfig)].index("output_dir")].default
+    run.output_dir = schema_fields()["output_dir"].default  # a new timestamped dir per run, not the one of today
     return (f"# ftctl recipe {name}, every key set (ftctl config-docs explains each).\n"
             f"# Train it with: ftctl train --config FILE [key=value ...]\n" + to_yaml(run))
 
