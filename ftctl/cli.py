@@ -17,8 +17,8 @@ log = logging.getLogger("ftctl")
 USAGE = """ftctl <command> [key=value ...]
 
 commands:
-  train          fine-tune: ftctl train recipe=NAME [key=value ...] [--cfg] [--dry-run]
-  recipes        list the recipe presets
+  train          fine-tune: ftctl train recipe=NAME|--config FILE [key=value ...] [--cfg] [--dry-run]
+  recipes        list the recipe presets: ftctl recipes [show NAME | cp NAME FILE]
   estimate       memory per rank by part: ftctl estimate recipe=NAME [key=value ...] [--json]
   models         list the built-in model aliases: ftctl models [--prepare NAME | --rebuild NAME]
   eval           generate on held-out data and score it: ftctl eval model=NAME data.path=FILE [adapter=DIR] [n=50]
@@ -73,10 +73,11 @@ def close_run_log(ending: Optional[BaseException] = None) -> None:
 
 def end_failed_run(run_dir: Path, reason: BaseException) -> None:
     """train.log says why the run stopped; a run that never took a step leaves nothing behind."""
-    from ftctl.training.run_dir import discard_unstarted_run
+    from ftctl.training.run_dir import discard_unstarted_run, was_announced
 
     close_run_log(ending=reason)
-    discard_unstarted_run(run_dir)
+    if discard_unstarted_run(run_dir) and was_announced(run_dir):
+        log.info("removed run dir %s: the run stopped before its first step", run_dir)
 
 
 def _split_extra(overrides: List[str], *names: str):
@@ -91,7 +92,7 @@ def _split_extra(overrides: List[str], *names: str):
 def cmd_train(args) -> int:
     from ftctl.config.compose import compose_config, to_yaml
 
-    cfg = compose_config(args.overrides)
+    cfg = compose_config(args.overrides, args.config or saved_run_config(args.overrides))
     if args.cfg:
         print(to_yaml(cfg), end="")
         return 0
@@ -102,15 +103,16 @@ def cmd_train(args) -> int:
 
         print(describe_run(cfg), flush=True)
         # After the plan, which may be meant for another machine: what a run here would refuse.
-        check_files(cfg)
+        check_files(cfg, check_hub=False)
         check_launch(cfg, args.overrides, visible_device_type())
         return 0
+    check_files(cfg)  # before torch loads: a wrong path or an unreachable hub is a message within seconds
+    check_launch(cfg, args.overrides)  # before anything is written or started
     from ftctl.launch import launch_workers, world_size
     from ftctl.parallel.place import inside_launcher
     from ftctl.worker import done_line
     from ftctl.training.run_dir import prepare_run_dir
 
-    check_launch(cfg, args.overrides)  # before anything is written or started
     if inside_launcher():  # torchrun, deepspeed or srun started this process once per rank
         from ftctl.worker import train_under_launcher
 
@@ -123,7 +125,6 @@ def cmd_train(args) -> int:
         return 0
     run_dir = prepare_run_dir(cfg)
     setup_logging(run_dir, args.debug)
-    log.info("run dir %s (resolved config in config.yaml)", run_dir)
     from ftctl.training.runner import train
 
     try:
@@ -142,14 +143,47 @@ def cmd_estimate(args) -> int:
     from ftctl.config.compose import compose_config
     from ftctl.estimate import estimate_for, format_table, to_json
 
-    estimate = estimate_for(compose_config(args.overrides))
+    estimate = estimate_for(compose_config(args.overrides, args.config))
     print(to_json(estimate) if args.json else format_table(estimate))
     return 0
 
 
-def cmd_recipes(args) -> int:
-    from ftctl.config.compose import list_recipes
+def saved_run_config(overrides: List[str]) -> Optional[str]:
+    """`resume=auto output_dir=RUN` with no recipe or --config: the run's own config.yaml is the recipe."""
+    values = dict(o.split("=", 1) for o in overrides if "=" in o)
+    if "recipe" in values or not values.get("resume"):
+        return None
+    if values["resume"] != "auto":  # a checkpoint dir: RUN/checkpoints/step-N
+        run_dir = Path(values["resume"]).expanduser().parent.parent
+    elif "output_dir" in values:
+        run_dir = Path(values["output_dir"]).expanduser()
+    else:
+        return None
+    saved = run_dir / "config.yaml"
+    if not saved.is_file():
+        return None
+    log.info("config: %s (the run's own; key=value arguments change it)", saved)
+    return str(saved)
 
+
+def cmd_recipes(args) -> int:
+    from ftctl.config.compose import list_recipes, recipe_yaml
+
+    if args.action:
+        if not args.name:
+            raise FtctlError(f"ftctl recipes {args.action} needs a recipe name (`ftctl recipes` lists them)")
+        text = recipe_yaml(args.name)
+        if args.action == "show":
+            print(text, end="")
+            return 0
+        if not args.file:
+            raise FtctlError(f"ftctl recipes cp {args.name} needs a file to write, for example my.yaml")
+        target = Path(args.file).expanduser()
+        if target.exists():
+            raise FtctlError(f"{target} exists; choose another file name, or delete it first")
+        target.write_text(text)
+        print(f"copied recipe {args.name} to {target}; edit it, then: ftctl train --config {target}")
+        return 0
     rows = list_recipes()
     width = max(len(r["name"]) for r in rows)
     for r in rows:
@@ -198,7 +232,7 @@ def cmd_data_preview(args) -> int:
     from ftctl.config.compose import compose_config
 
     extra, overrides = _split_extra(args.overrides, "n")
-    cfg = compose_config(overrides)
+    cfg = compose_config(overrides, args.config)
     from ftctl.data.preview import preview
 
     preview(cfg, int(extra.get("n", 3)), color=sys.stdout.isatty())
@@ -309,11 +343,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     train = sub.add_parser("train", help="fine-tune a model", description="ftctl train recipe=NAME [key=value ...]")
     train.add_argument("overrides", nargs="*", help="config overrides, key=value")
+    train.add_argument("--config", metavar="FILE", help="a recipe file from anywhere (`ftctl recipes cp NAME FILE` makes one); key=value arguments still win")
     train.add_argument("--cfg", action="store_true", help="print the resolved config and exit")
     train.add_argument("--dry-run", action="store_true", help="validate and resolve, print the plan, do not train")
     train.set_defaults(func=cmd_train)
 
-    sub.add_parser("recipes", help="list recipe presets").set_defaults(func=cmd_recipes)
+    recipes = sub.add_parser(
+        "recipes", help="list recipe presets; show or copy one", description="ftctl recipes | ftctl recipes show NAME | ftctl recipes cp NAME FILE"
+    )
+    recipes.add_argument("action", nargs="?", choices=("show", "cp"), help="show: print the preset's full config as YAML; cp: copy it to FILE to edit")
+    recipes.add_argument("name", nargs="?", help="recipe name (`ftctl recipes` lists them)")
+    recipes.add_argument("file", nargs="?", help="cp: the file to write; train it with ftctl train --config FILE")
+    recipes.set_defaults(func=cmd_recipes)
     estimate = sub.add_parser(
         "estimate", help="per-rank memory of a run by part, from the model config alone",
         description="ftctl estimate recipe=NAME [key=value ...] [--json]: weights, gradients, optimizer states, "
@@ -322,6 +363,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     estimate.add_argument("overrides", nargs="*", help="config overrides, key=value (as for train)")
     estimate.add_argument("--json", action="store_true", help="print a JSON object (weights_bytes, ..., total_bytes)")
+    estimate.add_argument("--config", metavar="FILE", help="a recipe file from anywhere, as for train")
     estimate.set_defaults(func=cmd_estimate)
     models = sub.add_parser("models", prog="ftctl models", help="list built-in model aliases", description="ftctl models [--prepare NAME | --rebuild NAME]")
     models.add_argument("--prepare", metavar="NAME", help="build or convert the alias's model now (once) and print its dir")
@@ -359,6 +401,7 @@ def build_parser() -> argparse.ArgumentParser:
     data_sub = data.add_subparsers(dest="data_command", metavar="subcommand")
     prev = data_sub.add_parser("preview", help="rendered examples with trained spans marked")
     prev.add_argument("overrides", nargs="*")
+    prev.add_argument("--config", metavar="FILE", help="a recipe file from anywhere, as for train")
     prev.set_defaults(func=cmd_data_preview)
     for name, p in sub.choices.items():
         p.prog = f"ftctl {name}"  # not the top-level usage, which argparse would put in front of every one

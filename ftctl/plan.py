@@ -37,7 +37,7 @@ def describe_run(cfg: RunConfig) -> str:
         f"  data       {d.format} {d.path} (max_seq_len {d.max_seq_len}, {'packed' if d.packing else 'padded'} micro-batches"
         + (f", eval {d.eval_path or f'{d.eval_fraction:.0%} held out'}" if d.eval_path or d.eval_fraction else "") + ")",
         f"  batch      global {t.global_batch_size} = micro {t.micro_batch_size} × {world} rank{'s' if world > 1 else ''} × "
-        f"{gradient_accumulation_steps(cfg, world)} accumulation; {t.max_steps} steps, lr {t.lr:g}",
+        f"{gradient_accumulation_steps(cfg, world)} accumulation; {_length(t)}, lr {t.lr:g} {t.lr_scheduler}",
         f"  output     {output}",
         "",
     ]
@@ -46,3 +46,9 @@ def describe_run(cfg: RunConfig) -> str:
     except ConfigError as exc:
         lines.append(f"memory estimate unavailable: {exc}")
     return "\n".join(lines)
+
+
+def _length(t) -> str:
+    if t.epochs is not None:
+        return f"{t.epochs:g} epochs (steps counted after tokenization)"
+    return f"{t.max_steps} steps"

@@ -104,18 +104,19 @@ def test_sigterm_saves_a_checkpoint_and_says_how_to_resume(tiny_model_dir, tmp_p
 def test_incomplete_checkpoints_are_never_resumed_and_pruning_waits(make_cfg, run_training, tmp_path):
     result, _ = run_training(make_cfg("train.max_steps=9", "train.save_every=2", "train.keep_last=2"))
     ckpts = complete_checkpoints(result.run_dir)
-    assert [p.name for p in ckpts] == ["step-6", "step-8"]
+    assert [p.name for p in ckpts] == ["step-8", "step-9"]  # and one of the last step, to extend the run from
     # A checkpoint cut off while writing: a staging dir, and a step dir without its state file.
     (result.run_dir / "checkpoints" / ".step-10.partial").mkdir()
     broken = result.run_dir / "checkpoints" / "step-12"
     broken.mkdir()
     (broken / "adapter_model.safetensors").write_bytes(b"truncated")
-    assert complete_checkpoints(result.run_dir)[-1].name == "step-8"
+    assert complete_checkpoints(result.run_dir)[-1].name == "step-9"
     # A resume goes on from the last complete one, past the broken ones, to the same result.
     final = (result.final_dir / "adapter_model.safetensors").read_bytes()
-    shutil.rmtree(result.final_dir)  # as a run stopped while writing step 10
+    shutil.rmtree(result.final_dir)  # as a run killed while writing its last checkpoint
+    shutil.rmtree(result.run_dir / "checkpoints" / "step-9")
     resumed, metrics = run_training(make_cfg("train.max_steps=9", "train.save_every=2", "train.keep_last=2", "resume=auto"))
-    assert [m["step"] for m in metrics if "loss" in m] == list(range(1, 10))  # steps 9 appended once, after 1-8
+    assert [m["step"] for m in metrics if "loss" in m] == list(range(1, 10))  # step 9 appended once, after 1-8
     assert (resumed.final_dir / "adapter_model.safetensors").read_bytes() == final
 
 
@@ -124,7 +125,8 @@ def test_resume_refuses_a_changed_config_and_allows_cosmetic_changes(make_cfg, r
 
     stopped, _ = run_training(make_cfg("train.max_steps=4", "train.save_every=2"))
     shutil.rmtree(stopped.final_dir)  # as a run stopped after its step-2 checkpoint
-    with pytest.raises(FtctlError, match=r"config differs in method.r, train.lr"):
+    shutil.rmtree(stopped.run_dir / "checkpoints" / "step-4")
+    with pytest.raises(FtctlError, match=r"config differs in method.r \(run: 8, now: 4\), train.lr \(run: 0.003, now: 0.001\)"):
         prepare_run_dir(make_cfg("train.max_steps=4", "train.save_every=2", "train.lr=1e-3", "method.r=4", "resume=auto"))
     prepare_run_dir(make_cfg("train.max_steps=4", "train.save_every=2", "train.log_every=2", "resume=auto"))
     with pytest.raises(FtctlError, match="continue it with resume=auto"):

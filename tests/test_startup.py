@@ -34,6 +34,7 @@ def run_cli(*argv, env=None):
     [
         (["--help"], 0),
         (["recipes"], 0),
+        (["recipes", "show", "tiny_lora"], 0),
         (["config-docs"], 0),
         (["train", "recipe=tiny_lora", "--cfg"], 0),
         (["train", "recipe=llama7b_lora", "--dry-run"], 0),

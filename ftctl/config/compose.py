@@ -9,13 +9,13 @@ from __future__ import annotations
 import dataclasses
 import re
 from pathlib import Path
-from typing import Dict, List, Sequence
+from typing import Dict, List, Optional, Sequence
 
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from ftctl.config.schema import RunConfig
-from ftctl.config.validate import validate
+from ftctl.config.schema import DEFAULT_MAX_STEPS, RunConfig
+from ftctl.config.validate import refuse_unsupported_method, validate
 from ftctl.errors import ConfigError, did_you_mean
 from ftctl.paths import recipes_dir, samples_dir
 
@@ -77,10 +77,10 @@ _PLAIN_NAMES = re.compile(r"^(?!null$)[\w.\-*/]+(,[\w.\-*/]+)*$")
 #: Names other fine-tuning tools (transformers' TrainingArguments, axolotl, LLaMA-Factory, TRL) give
 #: to ftctl settings: an unknown key whose last part is one of these is pointed at ftctl's spelling.
 OTHER_TOOLS_NAMES = {
-    "learning_rate": "train.lr", "lr_scheduler_type": "train.min_lr_ratio (cosine decay to it)",
+    "learning_rate": "train.lr", "lr_scheduler_type": "train.lr_scheduler",
     "batch_size": "train.micro_batch_size", "per_device_train_batch_size": "train.micro_batch_size",
     "gradient_accumulation_steps": "train.global_batch_size (accumulation = global ÷ (micro × world size))",
-    "num_epochs": "train.max_steps", "num_train_epochs": "train.max_steps", "warmup_ratio": "train.warmup_steps",
+    "num_epochs": "train.epochs", "num_train_epochs": "train.epochs", "warmup_ratio": "train.warmup_ratio",
     "logging_steps": "train.log_every", "save_steps": "train.save_every", "eval_steps": "train.eval_every",
     "save_total_limit": "train.keep_last", "optim": "train.optimizer",
     "lora_r": "method.r", "lora_rank": "method.r", "lora_alpha": "method.alpha", "lora_dropout": "method.dropout",
@@ -91,6 +91,31 @@ OTHER_TOOLS_NAMES = {
     "base_model": "model.name_or_path", "model_name_or_path": "model.name_or_path",
     "bf16": "precision=bf16", "fp16": "precision=fp16", "load_in_4bit": "method=qlora",
     "deepspeed": "parallel=zero1, zero2 or zero3", "fsdp": "parallel=fsdp",
+    # Common words and near-names that spelling alone would send to the wrong key (lr_rate is not min_lr_ratio).
+    "lr_rate": "train.lr", "learningrate": "train.lr", "rate": "train.lr",
+    "n_epochs": "train.epochs", "epoch": "train.epochs", "num_train_epoch": "train.epochs",
+    "steps": "train.max_steps", "num_steps": "train.max_steps", "total_steps": "train.max_steps",
+    "train_steps": "train.max_steps", "max_iters": "train.max_steps", "iterations": "train.max_steps",
+    "num_warmup_steps": "train.warmup_steps", "warmup": "train.warmup_steps (or train.warmup_ratio)",
+    "scheduler": "train.lr_scheduler", "lr_schedule": "train.lr_scheduler",
+    "train_batch_size": "train.global_batch_size", "total_batch_size": "train.global_batch_size",
+    "micro_batch": "train.micro_batch_size", "per_device_batch_size": "train.micro_batch_size",
+    "grad_accum": "train.global_batch_size (accumulation = global ÷ (micro × world size))",
+    "accumulation_steps": "train.global_batch_size (accumulation = global ÷ (micro × world size))",
+    "gradient_accumulation": "train.global_batch_size (accumulation = global ÷ (micro × world size))",
+    "target_modules": "method.target_modules",
+    "max_length": "data.max_seq_len", "max_len": "data.max_seq_len", "seq_len": "data.max_seq_len",
+    "seq_length": "data.max_seq_len", "context_length": "data.max_seq_len", "block_size": "data.max_seq_len",
+    "wd": "train.weight_decay", "grad_clip": "train.max_grad_norm",
+    "gradient_clipping": "train.max_grad_norm", "clip_grad_norm": "train.max_grad_norm", "max_norm": "train.max_grad_norm",
+    "data_path": "data.path", "dataset_path": "data.path", "train_file": "data.path", "train_path": "data.path",
+    "eval_file": "data.eval_path", "validation_file": "data.eval_path", "eval_dataset": "data.eval_path",
+    "model": "model.name_or_path (or model=NAME for a preset)", "model_name": "model.name_or_path",
+    "model_id": "model.name_or_path", "resume_from_checkpoint": "resume", "output": "output_dir",
+    "output_path": "output_dir", "save_dir": "output_dir", "random_seed": "seed",
+    "num_gpus": "parallel.nproc_per_node", "gpus": "parallel.nproc_per_node", "nproc": "parallel.nproc_per_node",
+    "chat_template_name": "data.chat_template", "prompt_template": "data.chat_template",
+    "dtype": "precision=fp32, bf16 or fp16", "torch_dtype": "precision=fp32, bf16 or fp16", "mixed_precision": "precision=bf16 or fp16",
 }
 
 
@@ -99,8 +124,9 @@ def _unknown_key_hint(key: str, fields) -> str:
     placed = [k for k in fields if k.rsplit(".", 1)[-1] == name]
     if len(placed) == 1:  # an ftctl name in the wrong section, or without one
         return f" Did you mean '{placed[0]}'?"
-    if name in OTHER_TOOLS_NAMES:
-        return f" ftctl's name for it: {OTHER_TOOLS_NAMES[name]}."
+    meaning = OTHER_TOOLS_NAMES.get(name.lower().replace("-", "_"))
+    if meaning:  # by meaning before spelling: lr_rate is train.lr, though it is spelled like min_lr_ratio
+        return f" ftctl's name for it: {meaning}."
     section = key.split(".")[0]
     same_section = [k for k in fields if k.startswith(section + ".")]
     hint = did_you_mean(key, same_section or fields)
@@ -121,6 +147,8 @@ def _check_override(raw: str, fields: Dict[str, dataclasses.Field]) -> str:
             f"set an existing key with {key}=VALUE"
         )
     if key in GROUPS:
+        if key == "method":
+            refuse_unsupported_method(f"method={value}", value)
         options = group_options(key)
         if value not in options and not (key == "recipe" and value == "null"):
             listing = ", ".join(options)
@@ -159,25 +187,90 @@ def _explain_hydra_error(exc: Exception) -> str:
     return text
 
 
-def compose_config(overrides: Sequence[str] = ()) -> RunConfig:
-    """Compose, check and resolve a run config; raises ConfigError with one readable message."""
+#: Keys that say one thing two ways, with the value that unsets each: setting one on the command
+#: line unsets the other, so `recipe=tiny_lora train.epochs=2` trains by epochs though the recipe sets max_steps.
+ALTERNATIVE_KEYS = {
+    "train.max_steps": ("train.epochs", "null"), "train.epochs": ("train.max_steps", "null"),
+    "train.warmup_steps": ("train.warmup_ratio", "0"), "train.warmup_ratio": ("train.warmup_steps", "0"),
+}
+
+
+def _unset_alternatives(overrides: Sequence[str]) -> List[str]:
+    values = dict(o.split("=", 1) for o in overrides if "=" in o)
+    unsetting = {other: unset for other, unset in ALTERNATIVE_KEYS.values()}  # each key's own "not set"
+    return [
+        f"{other}={unset}" for key, (other, unset) in ALTERNATIVE_KEYS.items()
+        if key in values and other not in values and values[key].strip().lower() not in (unsetting[key], unsetting[key] + ".0")
+    ]
+
+
+def compose_config(overrides: Sequence[str] = (), config_file: Optional[str] = None) -> RunConfig:
+    """Compose, check and resolve a run config; raises ConfigError with one readable message.
+
+    ``config_file`` is a recipe file kept anywhere (``ftctl train --config FILE``), composed as a preset.
+    """
+    if config_file is None:
+        return _finish(compose_unresolved(overrides))
+    path = Path(config_file).expanduser()
+    try:
+        return _finish(compose_unresolved(overrides, path))
+    except ConfigError as exc:
+        raise ConfigError(_located_in(path, str(exc), overrides)) from exc.__cause__
+
+
+def compose_unresolved(overrides: Sequence[str] = (), config_file: Optional[Path] = None):
+    """The composed config before interpolations resolve and before validation."""
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
     _register_once()
     fields = schema_fields()
     hydra_overrides = [_check_override(o, fields) for o in overrides]
+    if config_file is not None:
+        hydra_overrides = _with_config_file(config_file, overrides, hydra_overrides, fields)
+    hydra_overrides += _unset_alternatives(overrides)
     GlobalHydra.instance().clear()
     try:
         with initialize_config_dir(config_dir=str(recipes_dir()), version_base=None):
-            cfg = compose(config_name="config", overrides=hydra_overrides)
+            return compose(config_name="config", overrides=hydra_overrides)
     except ConfigError:
         raise
     except Exception as exc:  # Hydra and OmegaConf raise many types; all are the user's config
         raise ConfigError(_explain_hydra_error(exc)) from exc
     finally:
         GlobalHydra.instance().clear()
-    return _finish(cfg)
+
+
+def _with_config_file(path: Path, overrides: Sequence[str], hydra_overrides: List[str], fields) -> List[str]:
+    """The file as the recipe; the command line's group choices still win over the sections the file sets."""
+    from hydra.core.config_store import ConfigStore
+
+    from ftctl.config.config_file import CONFIG_FILE_RECIPE, group_choice_as_keys, load_config_file
+
+    if not path.is_file():
+        raise ConfigError(f"--config {path}: no such file")
+    choices = [o.split("=", 1) for o in overrides if o.split("=", 1)[0] in GROUPS]
+    if any(group == "recipe" for group, _ in choices):
+        raise ConfigError(f"pass recipe=NAME or --config {path}, not both (the file is the recipe)")
+    ConfigStore.instance().store(group="recipe", name=CONFIG_FILE_RECIPE, node=load_config_file(path, fields, _unknown_key_hint))
+    as_keys = [key for group, option in choices for key in group_choice_as_keys(recipes_dir() / group / f"{option}.yaml", group)]
+    groups = [o for o in hydra_overrides if o.split("=", 1)[0] in GROUPS]
+    keys = [o for o in hydra_overrides if o.split("=", 1)[0] not in GROUPS]
+    return [f"recipe@_global_={CONFIG_FILE_RECIPE}", *groups, *as_keys, *keys]
+
+
+def _located_in(path: Path, message: str, overrides: Sequence[str]) -> str:
+    """Prefix FILE:LINE when the message is about a key the file sets (and the command line does not)."""
+    from ftctl.config.config_file import line_of
+
+    if str(path) in message:
+        return message
+    on_command_line = {o.split("=", 1)[0] for o in overrides}
+    for key in re.findall(r"[A-Za-z_]+(?:\.[A-Za-z_]+)+|\b(?:output_dir|seed|resume|overwrite)\b", message):
+        line = line_of(path, key)
+        if line and key not in on_command_line:
+            return f"{path}:{line}: {message}"
+    return f"{path}: {message}"
 
 
 def _finish(cfg) -> RunConfig:
@@ -189,7 +282,17 @@ def _finish(cfg) -> RunConfig:
     except OmegaConfBaseException as exc:
         raise ConfigError(f"config key '{getattr(exc, 'full_key', '')}': {str(exc).splitlines()[0]}") from exc
     validate(run)
+    if run.train.max_steps is None and run.train.epochs is None:
+        run.train.max_steps = DEFAULT_MAX_STEPS  # written out, so config.yaml says how long the run is
     return run
+
+
+def recipe_yaml(name: str) -> str:
+    """A preset as one full config file to edit and train with --config: every key, its run dir still timestamped."""
+    run = _finish(compose_unresolved([f"recipe={name}"]))
+    run.output_dir = schema_fields()["output_dir"].default  # a new timestamped dir per run, not the one of today
+    return (f"# ftctl recipe {name}, every key set (ftctl config-docs explains each).\n"
+            f"# Train it with: ftctl train --config FILE [key=value ...]\n" + to_yaml(run))
 
 
 def to_yaml(run: RunConfig) -> str:

@@ -100,12 +100,20 @@ class DataConfig:
 
 @dataclass
 class TrainConfig:
-    max_steps: int = option(100, "Optimizer steps to run.")
+    max_steps: Optional[int] = option(
+        None, "Optimizer steps to run; null means 100 unless train.epochs is set. Set this or train.epochs, not both."
+    )
+    epochs: Optional[float] = option(
+        None, "Passes over the training set instead of max_steps: steps = ceil(epochs × train examples ÷ global_batch_size), "
+        "counted after tokenization."
+    )
     micro_batch_size: int = option(1, "Examples per forward pass on one rank.")
     global_batch_size: int = option(8, "Examples per optimizer step over all ranks; accumulation is derived.")
     lr: float = option(2e-4, "Peak learning rate.")
-    min_lr_ratio: float = option(0.1, "Cosine floor as a fraction of lr.")
-    warmup_steps: int = option(0, "Linear warmup steps before the cosine decay.")
+    min_lr_ratio: float = option(0.1, "Floor of the cosine and linear decay as a fraction of lr.")
+    lr_scheduler: str = option("cosine", "After warmup: cosine or linear decay to min_lr_ratio × lr, or constant lr.")
+    warmup_steps: int = option(0, "Linear warmup steps before the decay. Set this or train.warmup_ratio, not both.")
+    warmup_ratio: float = option(0.0, "Warmup as a share of the run's steps (rounded up), instead of warmup_steps.")
     weight_decay: float = option(0.0, "AdamW decoupled weight decay.")
     adam_beta1: float = option(0.9, "AdamW beta1.")
     adam_beta2: float = option(0.999, "AdamW beta2.")
@@ -146,4 +154,7 @@ class RunConfig:
 METHODS = ("full", "lora", "qlora", "dora")
 PARALLEL_BACKENDS = ("single", "ddp", "fsdp", "zero1", "zero2", "zero3")
 PRECISIONS = ("fp32", "bf16", "fp16", "auto")
+LR_SCHEDULERS = ("cosine", "linear", "constant")
+#: Steps a run takes when neither train.max_steps nor train.epochs is set.
+DEFAULT_MAX_STEPS = 100
 ATTENTION_KERNELS = ("sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention")

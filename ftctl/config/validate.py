@@ -5,7 +5,7 @@ All of them run before torch is imported, so a mistake costs a message, not a mo
 
 from __future__ import annotations
 
-from ftctl.config.schema import ATTENTION_KERNELS, METHODS, PARALLEL_BACKENDS, PRECISIONS, RunConfig
+from ftctl.config.schema import ATTENTION_KERNELS, LR_SCHEDULERS, METHODS, PARALLEL_BACKENDS, PRECISIONS, RunConfig
 from ftctl.errors import ConfigError, did_you_mean
 
 
@@ -40,8 +40,22 @@ def _positive(key: str, value, *, allow_zero: bool = False) -> None:
         raise ConfigError(f"{key}={value} must be {'>= 0' if allow_zero else '> 0'}")
 
 
+#: Methods of other tools that ftctl does not offer, named so that they are not "corrected" to a
+#: method spelled alike (dpo is not dora).
+PREFERENCE_METHODS = ("dpo", "ipo", "orpo", "kto", "simpo", "cpo", "ppo", "grpo", "rlhf", "rloo", "reward", "rm")
+
+
+def refuse_unsupported_method(setting: str, name: str) -> None:
+    if name.lower() in PREFERENCE_METHODS:
+        raise ConfigError(
+            f"{setting}: preference tuning and RL (DPO, ORPO, KTO, PPO, GRPO, ...) is not supported; ftctl does "
+            f"supervised fine-tuning with method=full, lora, qlora or dora"
+        )
+
+
 def validate(cfg: RunConfig) -> None:
     m, t, d, p = cfg.method, cfg.train, cfg.data, cfg.parallel
+    refuse_unsupported_method(f"method.name={m.name}", m.name)
     _choice("method.name", m.name, METHODS)
     _choice("parallel.name", p.name, PARALLEL_BACKENDS)
     _choice("precision.name", cfg.precision.name, PRECISIONS)
@@ -59,7 +73,7 @@ def validate(cfg: RunConfig) -> None:
     _choice("method.quant_type", m.quant_type, ("nf4", "fp4"))
     _choice("method.quant_storage", m.quant_storage, ("uint8", "bfloat16", "float16", "float32"))
 
-    _positive("train.max_steps", t.max_steps)
+    _check_run_length(t)
     _positive("train.micro_batch_size", t.micro_batch_size)
     _positive("train.global_batch_size", t.global_batch_size)
     _positive("train.lr", t.lr)
@@ -70,6 +84,7 @@ def validate(cfg: RunConfig) -> None:
     _positive("train.log_every", t.log_every)
     if not 0.0 <= t.min_lr_ratio <= 1.0:
         raise ConfigError(f"train.min_lr_ratio={t.min_lr_ratio} must be in [0, 1]")
+    _choice("train.lr_scheduler", t.lr_scheduler, LR_SCHEDULERS)
     _choice("train.optimizer", t.optimizer, ("adamw", "adamw_8bit", "paged_adamw_8bit", "paged_adamw_32bit"))
 
     _choice("model.attn_implementation", cfg.model.attn_implementation, ATTENTION_KERNELS)
@@ -107,6 +122,26 @@ def validate(cfg: RunConfig) -> None:
     reason = config_refusal(cfg)
     if reason:
         raise ConfigError(reason)
+
+
+def _check_run_length(t) -> None:
+    """max_steps and epochs, warmup_steps and warmup_ratio: each pair says one thing two ways."""
+    if t.max_steps is not None and t.epochs is not None:
+        raise ConfigError(
+            f"train.max_steps={t.max_steps} and train.epochs={t.epochs:g} are both set; keep one "
+            "(train.max_steps=null to train by epochs, or train.epochs=null)"
+        )
+    if t.max_steps is not None:
+        _positive("train.max_steps", t.max_steps)
+    if t.epochs is not None:
+        _positive("train.epochs", t.epochs)
+    if not 0.0 <= t.warmup_ratio < 1.0:
+        raise ConfigError(f"train.warmup_ratio={t.warmup_ratio} must be in [0, 1)")
+    if t.warmup_ratio and t.warmup_steps:
+        raise ConfigError(
+            f"train.warmup_steps={t.warmup_steps} and train.warmup_ratio={t.warmup_ratio:g} are both set; keep one "
+            "(the other =0)"
+        )
 
 
 def gradient_accumulation_steps(cfg: RunConfig, world_size: int) -> int:

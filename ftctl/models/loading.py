@@ -13,10 +13,11 @@ from ftctl.models.aliases import aliases, is_alias, resolve_alias
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
-def resolve_model_path(name_or_path: str, key: str = "model.name_or_path") -> str:
+def resolve_model_path(name_or_path: str, key: str = "model.name_or_path", *, check_hub: bool = True) -> str:
     """A local dir for aliases and paths; a hub id is passed through for transformers to fetch.
 
-    ``key`` is what the user set, for the message when there is no such model.
+    ``key`` is what the user set, for the message when there is no such model. ``check_hub`` refuses a
+    hub id that can load neither from the hub nor from the local cache.
     """
     if is_alias(name_or_path):
         return str(resolve_alias(name_or_path))
@@ -26,6 +27,10 @@ def resolve_model_path(name_or_path: str, key: str = "model.name_or_path") -> st
             raise FtctlError(f"{key}={name_or_path}: {path} is not a model dir (no config.json)")
         return str(path.resolve())
     if _HUB_ID.match(name_or_path) and not name_or_path.startswith((".", "/", "~")):
+        from ftctl.models.hub import ensure_hub_model_available
+
+        if check_hub:
+            ensure_hub_model_available(name_or_path, key)
         return name_or_path
     known = ", ".join(sorted(aliases()))
     raise FtctlError(f"{key}={name_or_path}: no such dir, alias or hub id (aliases: {known})")

@@ -43,10 +43,23 @@ def _flatten(d: dict, prefix: str = "") -> Dict[str, object]:
     return out
 
 
+#: The run's length: changing it extends (or shortens) the run, and the schedule is recomputed for the new total.
+RUN_LENGTH_KEYS = {"train.max_steps", "train.epochs"}
+
+
 def config_differences(old: RunConfig, new: RunConfig) -> List[str]:
-    """Keys whose change would make the resumed run compute something else."""
+    """Keys whose change would make the resumed run compute something else, each as `key (run: old, now: new)`."""
     a, b = _flatten(asdict(old)), _flatten(asdict(new))
-    return sorted(k for k in a.keys() | b.keys() if k not in RESUME_SAFE_KEYS and a.get(k) != b.get(k))
+    differing = sorted(k for k in a.keys() | b.keys() if k not in RESUME_SAFE_KEYS | RUN_LENGTH_KEYS and a.get(k) != b.get(k))
+    return [f"{k} (run: {_shown(a.get(k))}, now: {_shown(b.get(k))})" for k in differing]
+
+
+def _shown(value) -> str:
+    return "null" if value is None else str(value)
+
+
+def run_length(cfg: RunConfig) -> tuple:
+    return cfg.train.max_steps, cfg.train.epochs
 
 
 def resume_checkpoint(cfg: RunConfig, run_dir: Path) -> Optional[Path]:

@@ -21,6 +21,7 @@ from ftctl.config.schema import RunConfig
 from ftctl.config.validate import gradient_accumulation_steps
 from ftctl.data.batching import Batching, StepSampler
 from ftctl.data.dataset import build_datasets
+from ftctl.errors import FtctlError
 from ftctl.methods import create_method
 from ftctl.models.fast_rms_norm import use_fast_rms_norm
 from ftctl.models.loading import load_tokenizer, resolve_model_path
@@ -33,7 +34,8 @@ from ftctl.training.loss import token_loss_sum
 from ftctl.training.metrics import LogWindow, MetricsLogger
 from ftctl.training.optimizers import build_optimizer
 from ftctl.training.resume import restore_training_state, resume_checkpoint
-from ftctl.training.schedule import learning_rate
+from ftctl.training.run_dir import announce_run_dir
+from ftctl.training.schedule import learning_rate, total_steps
 
 log = logging.getLogger("ftctl")
 
@@ -76,6 +78,9 @@ def _train(cfg: RunConfig, run_dir: Path, backend) -> TrainResult:
     tokenizer = load_tokenizer(cfg.model, model_path)
     train_data, eval_data = build_datasets(cfg.data, tokenizer, cfg.seed)
     _log_data(backend, train_data, eval_data, t.eval_every)
+    steps = total_steps(t, len(train_data))
+    if backend.is_main and t.epochs is not None:
+        log.info("train.epochs=%g over %d train examples: %d steps of %d examples", t.epochs, len(train_data), steps, t.global_batch_size)
 
     model = method.build_model(model_path, precision, backend.build_device)
     use_fast_rms_norm(model)
@@ -89,6 +94,9 @@ def _train(cfg: RunConfig, run_dir: Path, backend) -> TrainResult:
     counts = method.count_parameters(model)
     engine = backend.prepare(model, lambda m: build_optimizer(m, cfg, backend.device), precision)
     start_step = restore_training_state(resume_from, engine, backend) if resume_from is not None else 0
+    if start_step >= steps:
+        raise FtctlError(f"{resume_from} is at step {start_step} and this run has {steps} steps; raise "
+                         f"train.{'epochs' if t.epochs is not None else 'max_steps'} to extend it")
     accumulation = gradient_accumulation_steps(cfg, backend.world_size)
     if backend.is_main:
         log.info(
@@ -99,7 +107,7 @@ def _train(cfg: RunConfig, run_dir: Path, backend) -> TrainResult:
 
     sampler = StepSampler(len(train_data), t.global_batch_size, cfg.seed, cfg.data.shuffle)
     make_batches = Batching.from_config(cfg, tokenizer.pad_token_id)
-    metrics = MetricsLogger(run_dir, t.max_steps, start_step, enabled=backend.is_main, tensorboard=t.tensorboard, progress_bar=t.progress_bar)
+    metrics = MetricsLogger(run_dir, steps, start_step, enabled=backend.is_main, tensorboard=t.tensorboard, progress_bar=t.progress_bar)
     window = LogWindow()
     nonfinite = NonFiniteGuard(t.max_nonfinite_steps, precision.needs_scaler)
     outcome, eval_loss = None, None
@@ -108,11 +116,13 @@ def _train(cfg: RunConfig, run_dir: Path, backend) -> TrainResult:
         return save_checkpoint(run_dir, step, backend=backend, engine=engine, method=method, model=model,
                                tokenizer=tokenizer, extra={"loss": outcome.loss if outcome else None, "parallel": cfg.parallel.name}, keep_last=t.keep_last)
 
+    if backend.is_main:  # only now: a run that fails while loading leaves no run dir to announce
+        announce_run_dir(run_dir)
     engine.module.train()
     with StopRequest() as stop:
         try:
-            for step in range(start_step, t.max_steps):
-                lr = learning_rate(step, t)
+            for step in range(start_step, steps):
+                lr = learning_rate(step, t, steps)
                 engine.set_lr(lr)
                 batches = make_batches(train_data, sampler.rank_share(step, backend.rank, backend.world_size))
                 outcome = train_step(engine, batches, backend, precision, t.max_grad_norm)
@@ -120,13 +130,14 @@ def _train(cfg: RunConfig, run_dir: Path, backend) -> TrainResult:
                 window.add(batches, outcome.loss, outcome.global_tokens, backend)
                 done = step + 1
                 metrics.advance()
-                if done % t.log_every == 0 or done == t.max_steps:
+                if done % t.log_every == 0 or done == steps:
                     metrics.log(done, {**window.take(), "lr": lr, "grad_norm": outcome.grad_norm,
                                        "epoch": sampler.epoch(done), **engine.scaler_metrics()})
-                if eval_data is not None and ((t.eval_every and done % t.eval_every == 0) or done == t.max_steps):
+                if eval_data is not None and ((t.eval_every and done % t.eval_every == 0) or done == steps):
                     eval_loss = evaluate(engine, eval_data, make_batches, backend, precision)
                     metrics.log(done, {"eval_loss": eval_loss})
-                if t.save_every and done % t.save_every == 0 and done < t.max_steps:
+                # And at the end: a finished run can then be extended to more steps (resume=auto).
+                if t.save_every and (done % t.save_every == 0 or done == steps):
                     checkpoint(done)
                 if stop.requested(backend):
                     raise TrainingInterrupted(
@@ -142,7 +153,7 @@ def _train(cfg: RunConfig, run_dir: Path, backend) -> TrainResult:
         method.save(model, tokenizer, final_dir, state_dict=method.trainable_state_dict(model, state))
         log.info("saved %s result to %s (final loss %.4f)", method.name, final_dir, outcome.loss)
     backend.barrier()
-    return TrainResult(run_dir, final_dir, t.max_steps, outcome.loss, eval_loss, model)
+    return TrainResult(run_dir, final_dir, steps, outcome.loss, eval_loss, model)
 
 
 def train_step(engine, batches, backend, precision, max_grad_norm: float) -> StepOutcome:
