@@ -13,6 +13,10 @@ Everything here follows llama.cpp's convert_hf_to_gguf.py and what llama.cpp's g
   are refused. gemma2 writes both soft-capping values, gemma3 the final one when set.
 * phi3: fused ``qkv_proj`` and ``gate_up_proj`` (llama.cpp splits them itself), partial rotary
   dimensions, the original context length and the sliding window.
+* mixtral (written as llama, as the converter does) and qwen3_moe (qwen3moe): transformers' fused
+  expert parameters are written as llama.cpp's ``ffn_{gate,up,down}_exps`` (gate_up split in two),
+  the router as ``ffn_gate_inp``, with the expert counts. llama.cpp renormalises the chosen experts'
+  weights and makes every layer an MoE layer; configs that do otherwise are refused.
 
 The tensor names come from gguf-py's own table (``gguf.get_tensor_name_map``), the one llama.cpp's
 converter and transformers' GGUF loader use.
@@ -45,6 +49,8 @@ FAMILIES = {
     "gemma2": GGUFFamily("gemma2", norm_offset=1.0, activation="gelu_pytorch_tanh", layer_pattern=2),
     "gemma3_text": GGUFFamily("gemma3", norm_offset=1.0, activation="gelu_pytorch_tanh", layer_pattern=6),
     "phi3": GGUFFamily("phi3"),
+    "mixtral": GGUFFamily("llama", interleave_rotary=True),
+    "qwen3_moe": GGUFFamily("qwen3moe"),
 }
 
 #: rope_type values llama.cpp expresses: in metadata (linear), or as a rope_freqs tensor (llama3, llama graph only).
@@ -115,7 +121,17 @@ def conventions_missing(config, family: GGUFFamily) -> List[str]:
         found.append(f"an lm_head of its own (llama.cpp's {arch} reuses token_embd as the output head)")
     if family.layer_pattern:
         found += _gemma_conventions_missing(config, family)
+    if expert_count(config):
+        if getattr(config, "mlp_only_layers", None) or (getattr(config, "decoder_sparse_step", 1) or 1) != 1:
+            found.append(f"dense MLP layers among the expert layers (llama.cpp's {arch} makes every layer MoE)")
+        if getattr(config, "norm_topk_prob", True) is False:
+            found.append(f"norm_topk_prob=false (llama.cpp's {arch} renormalises the chosen experts' weights)")
     return found
+
+
+def expert_count(config) -> int:
+    """Experts per MoE layer (Mixtral's num_local_experts, Qwen-MoE's num_experts); 0 for a dense model."""
+    return int(getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None) or 0)
 
 
 def _has_output_tensor(arch: str) -> bool:
@@ -183,6 +199,12 @@ def add_hyperparameters(writer, config, family: GGUFFamily) -> None:
         writer.add_rope_scaling_factor(float(rope["factor"]))
     writer.add_layer_norm_rms_eps(float(config.rms_norm_eps))
     writer.add_vocab_size(config.vocab_size)
+
+    if expert_count(config):
+        writer.add_expert_count(expert_count(config))
+        writer.add_expert_used_count(int(config.num_experts_per_tok))
+        if getattr(config, "moe_intermediate_size", None):
+            writer.add_expert_feed_forward_length(int(config.moe_intermediate_size))
 
     sliding_window = getattr(config, "sliding_window", None)
     if family.arch == "gemma2":

@@ -25,13 +25,14 @@ import numpy as np
 from ftctl.errors import FtctlError
 from ftctl.export.gguf_families import GGUFFamily, add_hyperparameters, family_of, gguf_refusal, head_dim, rope_settings
 from ftctl.export.gguf_vocab import add_vocab, vocab_for_gguf
-from ftctl.export.tensor_names import gguf_tensor_name, interleave_rotary_rows
+from ftctl.export.tensor_names import gguf_tensor_name, interleave_rotary_rows, split_tensor_names
 
 log = logging.getLogger("ftctl")
 
 #: gguf.quant= choices: (llama.cpp file type, tensor type of the matrices).
 QUANT_TYPES = {"f32": ("ALL_F32", "F32"), "f16": ("MOSTLY_F16", "F16"), "bf16": ("MOSTLY_BF16", "BF16"), "q8_0": ("MOSTLY_Q8_0", "Q8_0")}
 DEFAULT_QUANT = "f16"
+ROUTER_SUFFIX = "ffn_gate_inp.weight"
 
 
 def llama3_rope_factors(config) -> np.ndarray:
@@ -70,6 +71,7 @@ class _PlannedTensor:
     source: str  # the transformers state_dict key, or "" for a tensor computed here
     heads: Optional[int]  # rows are permuted over this many heads
     offset: float  # added to the values (Gemma's norm weights)
+    half: Optional[int]  # 0 or 1: this half of dim 1 only (fused experts' gate, up)
     shape: tuple
     qtype: object  # gguf.GGMLQuantizationType
 
@@ -78,7 +80,7 @@ def _tensor_type(shape: tuple, target, name: str):
     import gguf
 
     F32, F16 = gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16
-    if len(shape) < 2:
+    if len(shape) < 2 or name.endswith(ROUTER_SUFFIX):  # llama.cpp's converter keeps expert routers in F32 too
         return F32
     block = gguf.GGML_QUANT_SIZES[target][0]
     if shape[-1] % block:
@@ -104,6 +106,12 @@ def plan_tensors(state: Dict[str, "object"], config, quant: str, family: Optiona
     for key, tensor in state.items():
         if tied and key == "lm_head.weight":
             continue  # llama.cpp reuses token_embd when output.weight is absent
+        halves = split_tensor_names(key, family.arch, config.num_hidden_layers)
+        if halves:
+            shape = (tensor.shape[0], tensor.shape[1] // 2, *tensor.shape[2:])
+            for half, name in enumerate(halves):
+                plan.append(_PlannedTensor(name, key, None, 0.0, half, shape, _tensor_type(shape, target, name)))
+            continue
         name, heads_key = gguf_tensor_name(key, family.arch, config.num_hidden_layers, family.interleave_rotary)
         if name is None:
             unknown.append(key)
@@ -111,14 +119,14 @@ def plan_tensors(state: Dict[str, "object"], config, quant: str, family: Optiona
         heads = (getattr(config, heads_key, None) or config.num_attention_heads) if heads_key else None
         offset = family.norm_offset if key.endswith("norm.weight") else 0.0
         shape = tuple(tensor.shape)
-        plan.append(_PlannedTensor(name, key, heads, offset, shape, _tensor_type(shape, target, name)))
+        plan.append(_PlannedTensor(name, key, heads, offset, None, shape, _tensor_type(shape, target, name)))
     if unknown:
         raise FtctlError(
             f"GGUF export: {len(unknown)} tensors have no place in a llama.cpp {family.arch} file, e.g. {', '.join(unknown[:3])}. "
             "Export format=hf instead"
         )
     if rope_settings(config).get("rope_type") == "llama3":
-        plan.append(_PlannedTensor("rope_freqs.weight", "", None, 0.0, (head_dim(config) // 2,), gguf.GGMLQuantizationType.F32))
+        plan.append(_PlannedTensor("rope_freqs.weight", "", None, 0.0, None, (head_dim(config) // 2,), gguf.GGMLQuantizationType.F32))
     return plan
 
 
@@ -129,6 +137,9 @@ def _tensor_data(entry: _PlannedTensor, state, config) -> np.ndarray:
     if not entry.source:
         return llama3_rope_factors(config)
     array = state[entry.source].detach().to(device="cpu", dtype=torch.float32).numpy()
+    if entry.half is not None:
+        width = array.shape[1] // 2
+        array = array[:, entry.half * width:(entry.half + 1) * width]
     if entry.heads:
         array = interleave_rotary_rows(array, entry.heads)
     if entry.offset:

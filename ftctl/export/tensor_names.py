@@ -16,6 +16,8 @@ from typing import Optional, Tuple
 
 import numpy as np
 
+#: transformers' fused expert gate and up projections (experts, 2 × expert width, hidden), split for llama.cpp.
+FUSED_EXPERTS = "mlp.experts.gate_up_proj"
 #: Block tensors whose rows are permuted for the llama graph's rotary layout, and which head count applies.
 ROTARY_PERMUTED = {"self_attn.q_proj.weight": "num_attention_heads", "self_attn.k_proj.weight": "num_key_value_heads"}
 
@@ -30,14 +32,23 @@ def _name_map(arch: str, block_count: int):
 
 def gguf_tensor_name(hf_name: str, arch: str = "llama", block_count: int = 1, permute_rotary: bool = True) -> Tuple[Optional[str], Optional[str]]:
     """(GGUF name, head-count key when rows must be permuted); (None, None) for a tensor with no place in ``arch``."""
-    base, dot, suffix = hf_name.rpartition(".")
-    if suffix not in ("weight", "bias"):
-        base, suffix = hf_name, ""
+    base, _, suffix = hf_name.rpartition(".")
+    if suffix not in ("weight", "bias"):  # a bare parameter, such as fused experts: llama.cpp calls it a weight
+        base, suffix = hf_name, "weight"
     name = _name_map(arch, block_count).get_name(base)
     if name is None:
         return None, None
     heads_key = next((key for end, key in ROTARY_PERMUTED.items() if hf_name.endswith(end)), None) if permute_rotary else None
-    return (f"{name}.{suffix}" if suffix else name), heads_key
+    return f"{name}.{suffix}", heads_key
+
+
+def split_tensor_names(hf_name: str, arch: str, block_count: int) -> Optional[Tuple[str, str]]:
+    """The two GGUF names of a fused experts ``gate_up_proj`` (gate rows first, then up), or None for any other tensor."""
+    if not hf_name.endswith(FUSED_EXPERTS):
+        return None
+    stem = hf_name[: -len("gate_up_proj")]
+    gate, up = (gguf_tensor_name(stem + part, arch, block_count)[0] for part in ("gate_proj", "up_proj"))
+    return (gate, up) if gate and up else None
 
 
 def interleave_rotary_rows(weight: np.ndarray, n_head: int) -> np.ndarray:
