@@ -166,6 +166,11 @@ def gguf_refusal(config) -> Optional[str]:
     """Why ``config`` cannot be written as a GGUF file by ftctl, or None when it can."""
     model_type = getattr(config, "model_type", None) or "unknown"
     family = family_of(config)
+    if family is None and getattr(config, "vision_config", None) is not None:
+        return (
+            f"GGUF export of model_type {model_type}: a model with a vision tower; ftctl writes text-only models, and llama.cpp "
+            "keeps the vision part in a separate mmproj file. Export format=hf instead and convert that with llama.cpp's convert_hf_to_gguf.py"
+        )
     if family is None:
         architectures = ", ".join(getattr(config, "architectures", None) or []) or "unknown"
         return _unsupported_by(model_type).replace(f"model_type {model_type}:", f"model_type {model_type} ({architectures}):", 1)
