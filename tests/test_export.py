@@ -309,7 +309,7 @@ def test_llama3_rope_factors_match_transformers():
     from transformers import LlamaConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    from ftctl.export.gguf_writer import llama3_rope_factors
+    from ftctl.export.gguf_families import llama3_rope_factors
 
     rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
             "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}

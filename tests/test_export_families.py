@@ -258,3 +258,18 @@ def test_families_ftctl_does_not_write_are_refused_before_loading(config, messag
     err = capsys.readouterr().err
     assert err.startswith("ftctl: error:") and message in err and "format=hf" in err
     assert "Traceback" not in err and not (tmp_path / "m.gguf").exists()
+
+
+def test_phi3_longrope_factors_are_written_as_llama_cpp_reads_them(tokenizer_dir, tmp_path):
+    """Phi-3-128k / Phi-3.5 scaling: the long and short factors as tensors, and the attention factor."""
+    import math
+
+    long_factor, short_factor = [1.0 + i / 8 for i in range(8)], [1.0 + i / 100 for i in range(8)]
+    source_dir = build_family_model("phi3", tmp_path / "phi3", tokenizer_dir, max_position_embeddings=1024, rope_scaling={
+        "type": "longrope", "long_factor": long_factor, "short_factor": short_factor})
+    fields, tensors = read_gguf(export(source_dir, tmp_path / "m.gguf", "q8_0"))
+    np.testing.assert_array_equal(np.asarray(tensors["rope_factors_long.weight"].data), np.float32(long_factor))
+    np.testing.assert_array_equal(np.asarray(tensors["rope_factors_short.weight"].data), np.float32(short_factor))
+    assert tensors["rope_factors_long.weight"].tensor_type.name == "F32"
+    assert fields["phi3.rope.scaling.original_context_length"] == 256 and fields["phi3.context_length"] == 1024
+    assert fields["phi3.rope.scaling.attn_factor"] == pytest.approx(math.sqrt(1 + math.log(4) / math.log(256)))

@@ -25,8 +25,11 @@ converter and transformers' GGUF loader use.
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 from typing import List, Optional
+
+import numpy as np
 
 log = logging.getLogger("ftctl")
 
@@ -53,8 +56,9 @@ FAMILIES = {
     "qwen3_moe": GGUFFamily("qwen3moe"),
 }
 
-#: rope_type values llama.cpp expresses: in metadata (linear), or as a rope_freqs tensor (llama3, llama graph only).
-ROPE_TYPES = {"llama": ("default", "linear", "llama3")}
+#: rope_type values llama.cpp expresses: in metadata (linear), or as tensors: rope_freqs (llama3, llama graph
+#: only), rope_factors_long/short (longrope, Phi-3 128k and Phi-3.5).
+ROPE_TYPES = {"llama": ("default", "linear", "llama3"), "phi3": ("default", "linear", "longrope")}
 DEFAULT_ROPE_TYPES = ("default", "linear")
 #: Layer counts of the Gemma 27B models, for which llama.cpp scales queries by 1/sqrt(hidden/heads).
 GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
@@ -222,11 +226,61 @@ def add_hyperparameters(writer, config, family: GGUFFamily) -> None:
         writer.add_sliding_window(int(sliding_window))
         writer.add_rope_freq_base_swa(float(rope_settings(config, "sliding_attention").get("rope_theta", GEMMA3_SLIDING_ROPE_THETA)))
     elif family.arch == "phi3":
-        original = rope.get("original_max_position_embeddings") or getattr(config, "original_max_position_embeddings", None)
-        writer.add_rope_scaling_orig_ctx_len(int(original or config.max_position_embeddings))
+        writer.add_rope_scaling_orig_ctx_len(phi3_original_context(config))
         writer.add_sliding_window(int(sliding_window or 0))  # 0: none, as the converter writes it
+        if rope.get("rope_type") == "longrope":
+            writer.add_rope_scaling_attn_factors(longrope_attention_factor(config))
     elif sliding_window and sliding_window < config.max_position_embeddings:
         log.info(
             "%s: llama.cpp's %s graph has no sliding window; the model behaves the same up to %d tokens of context",
             config.model_type, family.arch, sliding_window,
         )
+
+
+def phi3_original_context(config) -> int:
+    original = rope_settings(config).get("original_max_position_embeddings") or getattr(config, "original_max_position_embeddings", None)
+    return int(original or config.max_position_embeddings)
+
+
+def longrope_attention_factor(config) -> float:
+    """The attention scale longrope applies beyond the original context, as transformers and llama.cpp compute it."""
+    rope = rope_settings(config)
+    if rope.get("attention_factor") is not None:
+        return float(rope["attention_factor"])
+    scale = config.max_position_embeddings / phi3_original_context(config)
+    return math.sqrt(1 + math.log(scale) / math.log(phi3_original_context(config))) if scale > 1.0 else 1.0
+
+
+def llama3_rope_factors(config) -> np.ndarray:
+    """Per-frequency divisors llama.cpp applies for Llama 3.1-style rope scaling (its rope_freqs tensor)."""
+    rope = rope_settings(config)
+    dim = head_dim(config)
+    freqs = 1.0 / (rope["rope_theta"] ** (np.arange(0, dim, 2, dtype=np.float64) / dim))
+    factor = rope.get("factor", 8.0)
+    low, high = rope.get("low_freq_factor", 1.0), rope.get("high_freq_factor", 4.0)
+    old_context = rope.get("original_max_position_embeddings", 8192)
+    low_freq_wavelen, high_freq_wavelen = old_context / low, old_context / high
+    factors = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < high_freq_wavelen:
+            factors.append(1.0)
+        elif wavelen > low_freq_wavelen:
+            factors.append(factor)
+        else:
+            smooth = (old_context / wavelen - low) / (high - low)
+            factors.append(1.0 / ((1 - smooth) / factor + smooth))
+    return np.asarray(factors, dtype=np.float32)
+
+
+def computed_tensors(config) -> dict:
+    """GGUF tensors made from the config rather than the weights: rope frequency factors."""
+    rope = rope_settings(config)
+    if rope.get("rope_type") == "llama3":
+        return {"rope_freqs.weight": llama3_rope_factors(config)}
+    if rope.get("rope_type") == "longrope":
+        return {
+            "rope_factors_long.weight": np.asarray(rope["long_factor"], dtype=np.float32),
+            "rope_factors_short.weight": np.asarray(rope["short_factor"], dtype=np.float32),
+        }
+    return {}

@@ -14,7 +14,6 @@ converted tensor. The file appears under its name only when complete.
 from __future__ import annotations
 
 import logging
-import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,7 +22,9 @@ from typing import Dict, List, Optional
 import numpy as np
 
 from ftctl.errors import FtctlError
-from ftctl.export.gguf_families import GGUFFamily, add_hyperparameters, family_of, gguf_refusal, head_dim, rope_settings
+from ftctl.export.gguf_families import (
+    GGUFFamily, add_hyperparameters, computed_tensors, family_of, gguf_refusal,
+)
 from ftctl.export.gguf_vocab import add_vocab, vocab_for_gguf
 from ftctl.export.tensor_names import gguf_tensor_name, interleave_rotary_rows, split_tensor_names
 
@@ -33,28 +34,6 @@ log = logging.getLogger("ftctl")
 QUANT_TYPES = {"f32": ("ALL_F32", "F32"), "f16": ("MOSTLY_F16", "F16"), "bf16": ("MOSTLY_BF16", "BF16"), "q8_0": ("MOSTLY_Q8_0", "Q8_0")}
 DEFAULT_QUANT = "f16"
 ROUTER_SUFFIX = "ffn_gate_inp.weight"
-
-
-def llama3_rope_factors(config) -> np.ndarray:
-    """Per-frequency divisors llama.cpp applies for Llama 3.1-style rope scaling (its rope_freqs tensor)."""
-    rope = rope_settings(config)
-    dim = head_dim(config)
-    freqs = 1.0 / (rope["rope_theta"] ** (np.arange(0, dim, 2, dtype=np.float64) / dim))
-    factor = rope.get("factor", 8.0)
-    low, high = rope.get("low_freq_factor", 1.0), rope.get("high_freq_factor", 4.0)
-    old_context = rope.get("original_max_position_embeddings", 8192)
-    low_freq_wavelen, high_freq_wavelen = old_context / low, old_context / high
-    factors = []
-    for freq in freqs:
-        wavelen = 2 * math.pi / freq
-        if wavelen < high_freq_wavelen:
-            factors.append(1.0)
-        elif wavelen > low_freq_wavelen:
-            factors.append(factor)
-        else:
-            smooth = (old_context / wavelen - low) / (high - low)
-            factors.append(1.0 / ((1 - smooth) / factor + smooth))
-    return np.asarray(factors, dtype=np.float32)
 
 
 def add_file_type(writer, quant: str) -> None:
@@ -125,8 +104,8 @@ def plan_tensors(state: Dict[str, "object"], config, quant: str, family: Optiona
             f"GGUF export: {len(unknown)} tensors have no place in a llama.cpp {family.arch} file, e.g. {', '.join(unknown[:3])}. "
             "Export format=hf instead"
         )
-    if rope_settings(config).get("rope_type") == "llama3":
-        plan.append(_PlannedTensor("rope_freqs.weight", "", None, 0.0, None, (head_dim(config) // 2,), gguf.GGMLQuantizationType.F32))
+    for name, values in computed_tensors(config).items():
+        plan.append(_PlannedTensor(name, "", None, 0.0, None, values.shape, gguf.GGMLQuantizationType.F32))
     return plan
 
 
@@ -135,7 +114,7 @@ def _tensor_data(entry: _PlannedTensor, state, config) -> np.ndarray:
     import torch
 
     if not entry.source:
-        return llama3_rope_factors(config)
+        return computed_tensors(config)[entry.gguf_name]
     array = state[entry.source].detach().to(device="cpu", dtype=torch.float32).numpy()
     if entry.half is not None:
         width = array.shape[1] // 2
