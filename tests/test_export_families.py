@@ -214,7 +214,8 @@ def test_gemma_without_the_norm_offset_would_not_match(family_dirs, tmp_path, mo
     "model_type, overrides, message",
     [
         ("gemma2", {"query_pre_attn_scalar": 224}, "query_pre_attn_scalar=224 (llama.cpp's gemma2 scales queries by 1/sqrt(256))"),
-        ("gemma2", {"layer_types": ["full_attention", "full_attention"]}, "every 2th layer full attention"),
+        ("gemma2", {"layer_types": ["full_attention", "full_attention"]}, "layer_types (llama.cpp's gemma2 fixes them: one full-attention layer in every 2"),
+        ("gemma2", {"final_logit_softcapping": None}, "final_logit_softcapping=null (llama.cpp's gemma2 always soft-caps)"),
         ("gemma2", {"tie_word_embeddings": False}, "an lm_head of its own (llama.cpp's gemma2 reuses token_embd"),
         ("gemma3_text", {"attn_logit_softcapping": 50.0}, "attn_logit_softcapping (llama.cpp's gemma3 has none)"),
         ("qwen2", {"use_sliding_window": True, "sliding_window": 64}, "use_sliding_window=true"),

@@ -91,7 +91,7 @@ def rotary_dim(config) -> int:
     return int(head_dim(config) * factor)
 
 
-def _unsupported_by(model_type: str) -> str:
+def _unsupported_by(model_type: str, architectures: str) -> str:
     """Why a model_type has no GGUF writer here, naming llama.cpp's architecture when it has one."""
     try:
         from gguf import MODEL_ARCH_NAMES
@@ -104,7 +104,10 @@ def _unsupported_by(model_type: str) -> str:
         why = f"llama.cpp has a {model_type} architecture, but ftctl does not write it yet (it writes {supported})"
     else:
         why = f"ftctl knows no llama.cpp architecture for it (it writes {supported})"
-    return f"GGUF export of model_type {model_type}: {why}. Export format=hf instead, or convert that with llama.cpp's convert_hf_to_gguf.py"
+    return (
+        f"GGUF export of model_type {model_type} ({architectures}): {why}. "
+        "Export format=hf instead, or convert that with llama.cpp's convert_hf_to_gguf.py"
+    )
 
 
 def conventions_missing(config, family: GGUFFamily) -> List[str]:
@@ -151,12 +154,16 @@ def _gemma_conventions_missing(config, family: GGUFFamily) -> List[str]:
     expected = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(config.num_hidden_layers)]
     layer_types = list(getattr(config, "layer_types", None) or expected)
     if layer_types != expected:
-        found.append(f"layer_types other than every {pattern}th layer full attention (llama.cpp's {family.arch} fixes that pattern)")
+        found.append(f"layer_types (llama.cpp's {family.arch} fixes them: one full-attention layer in every {pattern}, the last)")
     scalar = getattr(config, "query_pre_attn_scalar", None)
     big = config.num_hidden_layers == GEMMA_27B_LAYERS[family.arch]
     llama_cpp_scalar = config.hidden_size // config.num_attention_heads if big else head_dim(config)
     if scalar is not None and scalar != llama_cpp_scalar:
         found.append(f"query_pre_attn_scalar={scalar} (llama.cpp's {family.arch} scales queries by 1/sqrt({llama_cpp_scalar}))")
+    if family.arch == "gemma2":
+        for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+            if getattr(config, key, None) is None:
+                found.append(f"{key}=null (llama.cpp's gemma2 always soft-caps)")
     if family.arch == "gemma3":
         if getattr(config, "attn_logit_softcapping", None):
             found.append("attn_logit_softcapping (llama.cpp's gemma3 has none)")
@@ -177,13 +184,10 @@ def gguf_refusal(config) -> Optional[str]:
         )
     if family is None:
         architectures = ", ".join(getattr(config, "architectures", None) or []) or "unknown"
-        return _unsupported_by(model_type).replace(f"model_type {model_type}:", f"model_type {model_type} ({architectures}):", 1)
+        return _unsupported_by(model_type, architectures)
     missing = conventions_missing(config, family)
     if missing:
-        return (
-            f"GGUF export of {model_type} models (llama.cpp architecture {family.arch}) without {'; '.join(missing)}: "
-            "this model has them. Export format=hf instead"
-        )
+        return f"GGUF export: llama.cpp's {family.arch} architecture cannot express this {model_type} model's {'; '.join(missing)}. Export format=hf instead"
     return None
 
 
