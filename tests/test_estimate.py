@@ -316,6 +316,6 @@ def test_moe_estimate_counts_experts_as_frozen_weights_and_adapts_attention():
     everything = _estimate("recipe=qwen3_30b_a3b_lora", "precision=bf16", "method.target_modules=all-linear")
     assert everything.trainable_parameters == attention.trainable_parameters
     assert any("experts are fused parameters" in note for note in everything.notes)
-    # QLoRA quantises linear layers only: the experts stay unquantised, so most of the 30B weights do too.
+    # QLoRA quantises linear layers only: the experts stay unquantised (at least 2 bytes each), not 4-bit.
     qlora = _estimate("recipe=qwen3_30b_a3b_lora", "precision=bf16", "method=qlora")
-    assert qlora.weights_bytes > 4 * 29_000_000_000
+    assert qlora.weights_bytes > 2 * 29_000_000_000
