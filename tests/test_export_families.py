@@ -274,3 +274,57 @@ def test_phi3_longrope_factors_are_written_as_llama_cpp_reads_them(tokenizer_dir
     assert tensors["rope_factors_long.weight"].tensor_type.name == "F32"
     assert fields["phi3.rope.scaling.original_context_length"] == 256 and fields["phi3.context_length"] == 1024
     assert fields["phi3.rope.scaling.attn_factor"] == pytest.approx(math.sqrt(1 + math.log(4) / math.log(256)))
+
+
+#: The GGUF column of the family matrix, over the tiny configs of ftctl.models.tiny.TINY_FAMILIES:
+#: the llama.cpp architecture written, or the start of the one-line refusal.
+GGUF_MATRIX = {
+    "llama": "llama", "mistral": "llama", "mixtral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
+    "gemma2": "gemma2", "gemma3": "gemma3", "phi3": "phi3",
+    "qwen3_moe": "refused: GGUF export: llama.cpp's qwen3moe architecture cannot express this qwen3_moe model's norm_topk_prob=false",
+    "olmo2": "refused: GGUF export of model_type olmo2 (Olmo2ForCausalLM): llama.cpp has a olmo2 architecture",
+    "granite": "refused: GGUF export of model_type granite (GraniteForCausalLM): llama.cpp has a granite architecture",
+    "smollm3": "refused: GGUF export of model_type smollm3 (SmolLM3ForCausalLM): llama.cpp has a smollm3 architecture",
+    "gpt2": "refused: GGUF export of model_type gpt2 (GPT2LMHeadModel): llama.cpp has a gpt2 architecture",
+    "gpt_oss": "refused: GGUF export of model_type gpt_oss (GptOssForCausalLM): llama.cpp has a gpt_oss architecture",
+}
+#: Tiny configs transformers' GGUF loader reads back as they are (it assumes Qwen3's and Gemma's real head sizes).
+MATRIX_ROUND_TRIP = {"llama", "mistral", "qwen2", "phi3"}
+
+
+def test_matrix_covers_every_tiny_family():
+    from ftctl.models.tiny import TINY_FAMILIES
+
+    assert set(GGUF_MATRIX) == set(TINY_FAMILIES)
+
+
+@pytest.mark.parametrize("family", sorted(GGUF_MATRIX))
+def test_every_tiny_family_exports_or_is_refused_before_loading(family, tmp_path, monkeypatch, capsys):
+    import gguf
+
+    from ftctl.cli import main
+    from ftctl.models.tiny import build_tiny_model
+
+    source_dir = build_tiny_model(family, tmp_path / family)
+    capsys.readouterr()  # building writes progress bars
+    output = tmp_path / f"tiny-{family}.gguf"  # transformers' loader misreads a llama file named exactly "mistral"
+    expected = GGUF_MATRIX[family]
+    if expected.startswith("refused: "):
+        def no_loading(*args, **kwargs):
+            raise AssertionError("the refusal should come before the model loads")
+
+        monkeypatch.setattr("ftctl.evaluation.evaluate.load_model", no_loading)
+        assert main(["export", f"model={source_dir}", "format=gguf", f"output={output}"]) == 1
+        err = capsys.readouterr().err
+        assert err.startswith("ftctl: error: " + expected.removeprefix("refused: ")) and err.count("\n") == 1, err
+        assert "format=hf" in err and not output.exists()
+        return
+
+    path = export(source_dir, output, "f32")
+    fields, tensors = read_gguf(path)
+    assert fields["general.architecture"] == expected
+    arch_id = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == expected)
+    allowed = {gguf.TENSOR_NAMES[t].format(bid=b) for t in gguf.MODEL_TENSORS[arch_id] for b in range(2)}
+    assert {name.rsplit(".", 1)[0] for name in tensors} <= allowed
+    if family in MATRIX_ROUND_TRIP:
+        assert (logits(gguf_model(path)) - logits(fp32_model(source_dir))).abs().max() <= TOLERANCE["f32"]
