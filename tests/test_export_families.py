@@ -138,6 +138,14 @@ def test_family_round_trip_gives_the_source_logits(model_type, family_dirs, tmp_
         record_property(f"gguf_{model_type}_{quant}_max_logit_diff", difference)
         assert difference <= TOLERANCE[quant], (model_type, quant, difference)
 
+    from transformers import AutoTokenizer
+
+    source_tokenizer = AutoTokenizer.from_pretrained(source_dir)
+    loaded_tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    conversation = [{"role": "user", "content": "naïve café, 3.14 <|im_end|>  x"}, {"role": "assistant", "content": "ok"}]
+    assert loaded_tokenizer.apply_chat_template(conversation, tokenize=True, return_dict=False) == \
+        source_tokenizer.apply_chat_template(conversation, tokenize=True, return_dict=False)
+
 
 @pytest.mark.parametrize("model_type", sorted(FAMILY_CONFIGS))
 def test_family_file_has_llama_cpp_names_metadata_and_conventions(model_type, family_dirs, tmp_path):
