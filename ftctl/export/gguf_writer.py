@@ -1,11 +1,11 @@
 """Write a transformers model and its tokenizer as one GGUF file (llama.cpp, Ollama, LM Studio).
 
 What goes in follows llama.cpp's convert_hf_to_gguf.py for the model's family
-(ftctl.export.gguf_families: Llama, Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3, Phi-3): the
-``{arch}.*`` hyperparameters, tokenizer metadata (ftctl.export.gguf_vocab), and the tensors under
-llama.cpp names (ftctl.export.tensor_names) in the family's conventions. Norm weights and
-other 1-D tensors stay F32 whatever the requested type, as llama.cpp keeps them; a matrix whose
-rows do not split into q8_0 blocks of 32 falls back to F16.
+(ftctl.export.gguf_families: Llama, Mistral, Mixtral, Qwen2, Qwen3, Qwen3-MoE, Gemma 2, Gemma 3,
+Phi-3): the ``{arch}.*`` hyperparameters, tokenizer metadata (ftctl.export.gguf_vocab), and the
+tensors under llama.cpp names (ftctl.export.tensor_names) in the family's conventions. Norm weights,
+expert routers and other 1-D tensors stay F32 whatever the requested type, as llama.cpp keeps them;
+a matrix whose rows do not split into q8_0 blocks of 32 falls back to F16.
 
 Tensors are converted one at a time while the file is written, so memory holds the model plus one
 converted tensor. The file appears under its name only when complete.
