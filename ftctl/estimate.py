@@ -143,6 +143,12 @@ def estimate_memory(cfg: RunConfig, model_config: dict, source: str = "config") 
     adapted, unknown = _adapted_linears(m.target_modules) if m.name != "full" else (set(), [])
     if unknown:
         notes.append(f"target modules not counted (not a decoder linear layer): {', '.join(unknown)}")
+    if arch.experts:
+        adapted &= set(arch.linear_shapes())
+        notes.append(
+            f"mixture of experts: {arch.experts} experts per MoE layer, {arch.experts_per_token} active per token; "
+            "the experts are fused parameters, not linear layers, so target_modules adapt none of them"
+        )
     params = _parameter_groups(arch, cfg, adapted)
     trainable = params["trainable"]
 

@@ -266,3 +266,61 @@ def test_layer_activations_are_what_autograd_keeps(make_cfg, method):
             arch, cfg.method.name, adapted, cfg.method.dropout, cfg.method.r, False,
             grad_reaches_input=cfg.method.name == "full" or i > 0, dropout_bits=True)
         assert tokens * (4 * stream + 4 * matmul + masks) == measured, f"layer {i}"
+
+
+#: Parameter counts as published (the safetensors metadata of each model), for the shipped architecture
+#: files. The estimate counts two norms per layer: Qwen3's q/k norms and Gemma 2's two extra norms per
+#: layer are left out (at most 3.3e-5 of the model).
+PUBLISHED_PARAMETERS = {
+    "llama-3.1-8b.json": 8_030_261_248,
+    "qwen2.5-7b-instruct.json": 7_615_616_512,
+    "qwen3-8b.json": 8_190_735_360,
+    "mistral-7b-instruct-v0.3.json": 7_248_023_552,
+    "gemma-2-9b-it.json": 9_241_705_984,
+    "phi-3-mini-4k-instruct.json": 3_821_079_552,
+    "qwen3-30b-a3b.json": 30_532_122_624,
+}
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED_PARAMETERS))
+def test_shipped_architectures_count_the_published_parameters(name):
+    from ftctl.models.architecture import Architecture
+    from ftctl.paths import model_configs_dir
+
+    arch = Architecture.from_config(json.loads((model_configs_dir() / name).read_text()), name)
+    assert arch.parameters() == pytest.approx(PUBLISHED_PARAMETERS[name], rel=5e-5)
+
+
+@pytest.mark.parametrize("model_type", ["mixtral", "qwen3_moe"])
+def test_mixture_of_experts_parameters_match_transformers(model_type):
+    """Every expert counted, as transformers builds the model (fused 3-D expert parameters, the router)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from ftctl.models.architecture import Architecture
+
+    settings = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+                    num_key_value_heads=2, head_dim=16, num_experts_per_tok=2, tie_word_embeddings=False)
+    if model_type == "mixtral":
+        settings.update(num_local_experts=6)
+    else:  # a dense layer among the MoE ones, as Qwen-MoE's mlp_only_layers allows
+        settings.update(num_experts=6, moe_intermediate_size=32, mlp_only_layers=[1])
+    config = AutoConfig.for_model(model_type, **settings)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    counted = sum(p.numel() for name, p in model.named_parameters() if not name.endswith(("q_norm.weight", "k_norm.weight")))
+    arch = Architecture.from_config(config.to_dict())
+    assert arch.parameters() == counted
+    assert arch.experts == 6 and arch.moe_layers == (3 if model_type == "mixtral" else 2)
+
+
+def test_moe_estimate_counts_experts_as_frozen_weights_and_adapts_attention():
+    attention = _estimate("recipe=qwen3_30b_a3b_lora", "precision=bf16")
+    assert attention.parameters > 30_000_000_000 and attention.weights_bytes > 2 * 30_000_000_000
+    assert attention.trainable_parameters == 48 * 16 * ((2048 + 4096) + 2 * (2048 + 512) + (4096 + 2048))
+    everything = _estimate("recipe=qwen3_30b_a3b_lora", "precision=bf16", "method.target_modules=all-linear")
+    assert everything.trainable_parameters == attention.trainable_parameters
+    assert any("experts are fused parameters" in note for note in everything.notes)
+    # QLoRA quantises linear layers only: the experts stay unquantised (at least 2 bytes each), not 4-bit.
+    qlora = _estimate("recipe=qwen3_30b_a3b_lora", "precision=bf16", "method=qlora")
+    assert qlora.weights_bytes > 2 * 29_000_000_000

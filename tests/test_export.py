@@ -137,9 +137,8 @@ def test_gguf_tokenizer_gives_the_source_ids(exported, distinctive_model_dir):
     assert fields["tokenizer.ggml.add_bos_token"] is False
 
 
-def test_gguf_tensor_names_agree_with_gguf_py(tiny_model_dir):
-    """ftctl's name table against gguf-py's own llama mapping, for every tensor of a model."""
-    import gguf
+def test_gguf_tensor_names_are_llama_cpps(tiny_model_dir):
+    """Every tensor of a Llama under its llama.cpp name; q/k marked for the rotary permutation; no place for the rest."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from ftctl.export.tensor_names import gguf_tensor_name
@@ -147,11 +146,15 @@ def test_gguf_tensor_names_agree_with_gguf_py(tiny_model_dir):
     config = AutoConfig.from_pretrained(tiny_model_dir)
     with torch.device("meta"):
         names = list(AutoModelForCausalLM.from_config(config).state_dict())
-    reference = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, config.num_hidden_layers)
-    assert len(names) == 3 + 9 * config.num_hidden_layers
-    for name in names:
-        assert gguf_tensor_name(name)[0] == reference.get_name(name, try_suffixes=(".weight",)), name
-    assert gguf_tensor_name("model.layers.0.self_attn.q_proj.bias") == (None, None)
+    mapped = {name: gguf_tensor_name(name, "llama", config.num_hidden_layers) for name in names}
+    assert {gguf for gguf, _ in mapped.values()} == {"token_embd.weight", "output_norm.weight", "output.weight"} | {
+        f"blk.{i}.{part}.weight" for i in range(config.num_hidden_layers)
+        for part in ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm", "ffn_gate", "ffn_up", "ffn_down")
+    }
+    assert mapped["model.layers.1.self_attn.q_proj.weight"] == ("blk.1.attn_q.weight", "num_attention_heads")
+    assert mapped["model.layers.1.self_attn.k_proj.weight"] == ("blk.1.attn_k.weight", "num_key_value_heads")
+    assert gguf_tensor_name("model.layers.0.self_attn.q_norm.weight", "llama", 2) == (None, None)
+    assert gguf_tensor_name("model.layers.0.self_attn.q_norm.weight", "qwen3", 2) == ("blk.0.attn_q_norm.weight", None)
 
 
 def test_gguf_sentencepiece_tokenizer_round_trip(tmp_path):
@@ -253,12 +256,12 @@ def test_unsupported_architectures_and_features_are_refused(tmp_path, capsys):
     from ftctl.cli import main
     from ftctl.export.gguf_writer import gguf_refusal
 
-    mistral = tmp_path / "mistral"
-    mistral.mkdir()
-    (mistral / "config.json").write_text(json.dumps({"model_type": "mistral", "architectures": ["MistralForCausalLM"]}))
-    assert main(["export", f"model={mistral}", "format=gguf", f"output={tmp_path / 'm.gguf'}"]) == 1
+    gpt2 = tmp_path / "gpt2"
+    gpt2.mkdir()
+    (gpt2 / "config.json").write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
+    assert main(["export", f"model={gpt2}", "format=gguf", f"output={tmp_path / 'm.gguf'}"]) == 1
     err = capsys.readouterr().err
-    assert "GGUF export supports Llama-architecture models" in err and "mistral (MistralForCausalLM)" in err and "format=hf" in err
+    assert "GGUF export of model_type gpt2 (GPT2LMHeadModel)" in err and "ftctl does not write it yet" in err and "format=hf" in err
     assert not (tmp_path / "m.gguf").exists() and "Traceback" not in err
 
     assert "bias" in gguf_refusal(LlamaConfig(attention_bias=True))
@@ -309,7 +312,7 @@ def test_llama3_rope_factors_match_transformers():
     from transformers import LlamaConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    from ftctl.export.gguf_writer import llama3_rope_factors
+    from ftctl.export.gguf_families import llama3_rope_factors
 
     rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
             "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}

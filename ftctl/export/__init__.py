@@ -125,6 +125,19 @@ def _source_config(model_name: Optional[str], adapter_dir: Optional[Path]) -> Op
         return None  # the loader reports it properly
 
 
+def _config_object(config: dict):
+    """``config`` with its family's defaults filled in (as loading would), or as it is for a family transformers does not know."""
+    from types import SimpleNamespace
+
+    from transformers import AutoConfig
+
+    settings = dict(config)
+    try:
+        return AutoConfig.for_model(settings.pop("model_type", ""), **settings)
+    except (ValueError, TypeError, KeyError):
+        return SimpleNamespace(**config)
+
+
 def export_model(req: ExportRequest) -> Path:
     """Load (merging an adapter), then write the requested format; returns the written dir or file."""
     from ftctl.evaluation.evaluate import load_model, resolve_targets
@@ -136,12 +149,10 @@ def export_model(req: ExportRequest) -> Path:
             raise FtctlError(f"base= applies to adapters; {req.model} is a full model")
         model_name = req.base
     if req.format == "gguf":
-        from types import SimpleNamespace
-
         from ftctl.export.gguf_writer import gguf_refusal
 
         config = _source_config(model_name, adapter_dir)
-        refusal = gguf_refusal(SimpleNamespace(**config)) if config else None
+        refusal = gguf_refusal(_config_object(config)) if config else None
         if refusal:  # before minutes of loading and merging
             raise FtctlError(refusal)
     model, tokenizer = load_model(model_name, adapter_dir)

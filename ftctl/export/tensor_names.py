@@ -1,52 +1,54 @@
-"""Where each transformers Llama tensor goes in a GGUF file: the one place this mapping lives.
+"""Where each transformers tensor goes in a GGUF file, and the row order llama.cpp's llama graph wants.
 
-The names are llama.cpp's (gguf-py ``MODEL_TENSOR`` names for ``MODEL_ARCH.LLAMA``), the ones
-transformers' GGUF loader maps back. ``q_proj`` and ``k_proj`` also change row order: transformers
-rotates the two halves of each head (``rotate_half``), llama.cpp rotates interleaved pairs, so their
+Names come from gguf-py's table for the target architecture (``gguf.get_tensor_name_map``): the one
+llama.cpp's converter writes with and transformers' GGUF loader reads back with. A tensor the
+architecture has no place for gets no name, and the export refuses it rather than drop it.
+
+``q_proj`` and ``k_proj`` of the llama architecture also change row order: transformers rotates the
+two halves of each head (``rotate_half``), llama.cpp's llama graph rotates interleaved pairs, so their
 rows are permuted per head on the way out (and transformers' loader reverses it on the way in).
 """
 
 from __future__ import annotations
 
-import re
+import functools
 from typing import Optional, Tuple
 
 import numpy as np
 
-#: transformers name -> GGUF name, for tensors outside the decoder blocks.
-GLOBAL_TENSORS = {
-    "model.embed_tokens.weight": "token_embd.weight",
-    "model.norm.weight": "output_norm.weight",
-    "lm_head.weight": "output.weight",
-}
-
-#: transformers name inside ``model.layers.N.`` -> GGUF name inside ``blk.N.``.
-BLOCK_TENSORS = {
-    "input_layernorm.weight": "attn_norm.weight",
-    "self_attn.q_proj.weight": "attn_q.weight",
-    "self_attn.k_proj.weight": "attn_k.weight",
-    "self_attn.v_proj.weight": "attn_v.weight",
-    "self_attn.o_proj.weight": "attn_output.weight",
-    "post_attention_layernorm.weight": "ffn_norm.weight",
-    "mlp.gate_proj.weight": "ffn_gate.weight",
-    "mlp.up_proj.weight": "ffn_up.weight",
-    "mlp.down_proj.weight": "ffn_down.weight",
-}
-
-#: Block tensors whose rows are permuted for llama.cpp's rotary layout, and which head count applies.
+#: transformers' fused expert gate and up projections (experts, 2 × expert width, hidden), split for llama.cpp.
+FUSED_EXPERTS = "mlp.experts.gate_up_proj"
+#: Block tensors whose rows are permuted for the llama graph's rotary layout, and which head count applies.
 ROTARY_PERMUTED = {"self_attn.q_proj.weight": "num_attention_heads", "self_attn.k_proj.weight": "num_key_value_heads"}
 
-_BLOCK = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+
+@functools.lru_cache(maxsize=None)
+def _name_map(arch: str, block_count: int):
+    import gguf
+
+    arch_id = next(key for key, name in gguf.MODEL_ARCH_NAMES.items() if name == arch)
+    return gguf.get_tensor_name_map(arch_id, block_count)
 
 
-def gguf_tensor_name(hf_name: str) -> Tuple[Optional[str], Optional[str]]:
-    """(GGUF name, head-count key when rows must be permuted); (None, None) for a tensor with no GGUF place."""
-    if hf_name in GLOBAL_TENSORS:
-        return GLOBAL_TENSORS[hf_name], None
-    match = _BLOCK.match(hf_name)
-    if match and match.group(2) in BLOCK_TENSORS:
-        return f"blk.{match.group(1)}.{BLOCK_TENSORS[match.group(2)]}", ROTARY_PERMUTED.get(match.group(2))
-    return None, None
+def gguf_tensor_name(hf_name: str, arch: str = "llama", block_count: int = 1, permute_rotary: bool = True) -> Tuple[Optional[str], Optional[str]]:
+    """(GGUF name, head-count key when rows must be permuted); (None, None) for a tensor with no place in ``arch``."""
+    base, _, suffix = hf_name.rpartition(".")
+    if suffix not in ("weight", "bias"):  # a bare parameter, such as fused experts: llama.cpp calls it a weight
+        base, suffix = hf_name, "weight"
+    name = _name_map(arch, block_count).get_name(base)
+    if name is None:
+        return None, None
+    heads_key = next((key for end, key in ROTARY_PERMUTED.items() if hf_name.endswith(end)), None) if permute_rotary else None
+    return f"{name}.{suffix}", heads_key
+
+
+def split_tensor_names(hf_name: str, arch: str, block_count: int) -> Optional[Tuple[str, str]]:
+    """The two GGUF names of a fused experts ``gate_up_proj`` (gate rows first, then up), or None for any other tensor."""
+    if not hf_name.endswith(FUSED_EXPERTS):
+        return None
+    stem = hf_name[: -len("gate_up_proj")]
+    gate, up = (gguf_tensor_name(stem + part, arch, block_count)[0] for part in ("gate_proj", "up_proj"))
+    return (gate, up) if gate and up else None
 
 
 def interleave_rotary_rows(weight: np.ndarray, n_head: int) -> np.ndarray:
