@@ -28,6 +28,7 @@ commands:
   export         write a result as a transformers dir or a GGUF file: ftctl export model=RUN_DIR format=hf|gguf output=PATH
   chat           talk to a model: ftctl chat model=NAME_OR_DIR_OR_GGUF [adapter=DIR] [prompt="..."]
   generate       answer a file of prompts: ftctl generate model=NAME input=FILE output=FILE.jsonl
+  plot           draw a run's loss curve: ftctl plot RUN_DIR [output=FILE.png]
 """
 
 
@@ -289,6 +290,21 @@ def cmd_generate(args) -> int:
     return 0
 
 
+PLOT_KEYS = {"output": "the image to write; default RUN_DIR/loss_curve.png"}
+
+
+def cmd_plot(args) -> int:
+    from ftctl.training.plot import can_plot, draw_loss_curve
+
+    options = parse_key_values(args.options, PLOT_KEYS, "plot", "output=curve.png")
+    if not Path(args.run_dir, "metrics.jsonl").is_file():
+        raise FtctlError(f"{args.run_dir}: no metrics.jsonl here; pass the output_dir of a training run")
+    if not can_plot():
+        raise FtctlError("plotting needs matplotlib: pip install 'ftctl[plot]'")
+    print(f"plotted {args.run_dir} -> {draw_loss_curve(args.run_dir, options.get('output'))}")
+    return 0
+
+
 def _key_value_command(sub, name: str, help_text: str, usage: str, keys: dict, func) -> None:
     width = max(len(key) for key in keys) + 2
     keys_help = "\n".join(f"  {key:<{width}} {text}" for key, text in keys.items())
@@ -354,6 +370,12 @@ def build_parser() -> argparse.ArgumentParser:
                        "Reads one message per line until EOF or /exit; /reset starts a new conversation.", CHAT_OPTIONS, cmd_chat)
     _key_value_command(sub, "generate", "answer every prompt of a file into a jsonl file",
                        "ftctl generate model=NAME_OR_DIR_OR_GGUF input=FILE output=FILE.jsonl [key=value ...]", GENERATE_OPTIONS, cmd_generate)
+
+    plot = sub.add_parser("plot", help="draw a run's loss curve into RUN_DIR/loss_curve.png",
+                          description="ftctl plot RUN_DIR [output=FILE.png]: train and eval loss from RUN_DIR/metrics.jsonl (needs matplotlib)")
+    plot.add_argument("run_dir", metavar="RUN_DIR", help="a training run's output_dir")
+    plot.add_argument("options", nargs="*", help="output=FILE.png")
+    plot.set_defaults(func=cmd_plot)
 
     data = sub.add_parser("data", help="inspect training data")
     data_sub = data.add_subparsers(dest="data_command", metavar="subcommand")

@@ -48,6 +48,7 @@ def make_cfg(tiny_model_dir, tmp_path):
             f"output_dir={tmp_path / 'run'}",
             "train.progress_bar=false",
             "train.tensorboard=false",
+            "train.plot=false",
         ]
         return compose_config(base + list(overrides))
 
