@@ -15,6 +15,7 @@ import os
 from pathlib import Path
 
 from ftctl.errors import FtctlError
+from ftctl.progress import stages
 
 log = logging.getLogger("ftctl")
 
@@ -84,12 +85,14 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     """Write ``gguf_path`` as a transformers model dir into ``out_dir`` (fp32 safetensors + tokenizer)."""
     gguf_path = Path(gguf_path)
     log.info("converting %s into a transformers model dir (once; about a minute for SmolLM2-135M)", gguf_path)
-    model, tokenizer = load_gguf(gguf_path)
-
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out_dir, safe_serialization=True)
-    tokenizer.save_pretrained(out_dir)
+    with stages("convert", ["read GGUF", "write safetensors"]) as stage:
+        stage("read GGUF")
+        model, tokenizer = load_gguf(gguf_path)
+        stage("write safetensors")
+        out_dir = Path(out_dir)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        model.save_pretrained(out_dir, safe_serialization=True)
+        tokenizer.save_pretrained(out_dir)
     stat = gguf_path.stat()
     (out_dir / "ftctl_source.json").write_text(
         json.dumps({"converted_from": str(gguf_path.resolve()), "bytes": stat.st_size}, indent=2) + "\n"

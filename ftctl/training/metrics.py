@@ -5,11 +5,12 @@ from __future__ import annotations
 import json
 import logging
 import math
-import sys
 import time
 from pathlib import Path
 from typing import Optional, Sequence
 
+from ftctl.progress import progress_bar as progress_bar_for
+from ftctl.progress import progress_enabled
 from ftctl.training.trackers import numeric_values, open_trackers
 
 log = logging.getLogger("ftctl")
@@ -22,10 +23,8 @@ class MetricsLogger:
         self._file = open(run_dir / "metrics.jsonl", "a") if enabled else None
         self._trackers = open_trackers(list(trackers), run_dir, params or {}) if enabled else []
         self._bar = None
-        if enabled and progress_bar:
-            from tqdm.auto import tqdm
-
-            self._bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step", file=sys.stderr, dynamic_ncols=True)
+        if enabled and progress_bar and progress_enabled():
+            self._bar = progress_bar_for(total_steps, "train", unit="step", initial=start_step)
 
     def log(self, step: int, metrics: dict) -> None:
         if not self.enabled:
