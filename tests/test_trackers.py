@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -139,3 +140,21 @@ def test_wandb_goes_offline_without_credentials_or_network(monkeypatch, tmp_path
     assert wandb_mode() == "offline"
     monkeypatch.setenv("WANDB_MODE", "disabled")
     assert wandb_mode() == "disabled"
+
+
+def test_a_resumed_run_continues_its_mlflow_run(make_cfg, run_training, monkeypatch):
+    mlflow_tracking = pytest.importorskip("mlflow.tracking")
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.delenv("MLFLOW_EXPERIMENT_NAME", raising=False)
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    first, _ = run_training(make_cfg("train.max_steps=4", "train.save_every=2", "precision=fp32", "train.report_to=[mlflow]"))
+    run_id = json.loads((first.run_dir / "trackers.json").read_text())["mlflow"]
+    shutil.rmtree(first.final_dir)  # as if it had stopped after its step-2 checkpoint
+    run_training(make_cfg("train.max_steps=4", "train.save_every=2", "precision=fp32", "train.report_to=[mlflow]", "resume=auto"))
+    assert json.loads((first.run_dir / "trackers.json").read_text())["mlflow"] == run_id
+    client = mlflow_tracking.MlflowClient(tracking_uri=(first.run_dir / "mlruns").resolve().as_uri())
+    (experiment,) = [e for e in client.search_experiments() if e.name == "ftctl"]
+    assert [r.info.run_id for r in client.search_runs([experiment.experiment_id])] == [run_id]
+    steps = [m.step for m in client.get_metric_history(run_id, "train/loss")]
+    assert sorted(steps) == [1, 2, 3, 3, 4, 4]  # steps 3 and 4 again, from the resumed process
+    assert client.get_run(run_id).info.status == "FINISHED"
