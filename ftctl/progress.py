@@ -32,6 +32,13 @@ def progress_bar(total: int, desc: str, unit: str = "it", initial: int = 0):
                 disable=not progress_enabled())
 
 
+def progress_iter(iterable, desc: str, unit: str = "it"):
+    """``iterable`` wrapped in a bar of its length (cleared when done) under the same rule."""
+    from tqdm.auto import tqdm
+
+    return tqdm(iterable, desc=desc, unit=unit, file=sys.stderr, dynamic_ncols=True, leave=False, disable=not progress_enabled())
+
+
 @contextmanager
 def stages(desc: str, names: Sequence[str]) -> Iterator[Callable[[str], None]]:
     """A bar over the named stages of a task whose parts report no progress of their own (load, merge, write).

@@ -119,7 +119,7 @@ class TrainConfig:
     eval_every: int = option(0, "Eval loss every this many steps; 0 = only at the end when an eval split exists.")
     save_every: int = option(0, "Checkpoint every this many steps; 0 = no intermediate checkpoints.")
     keep_last: int = option(0, "Checkpoints to keep; 0 keeps all.")
-    progress_bar: bool = option(True, "Show a progress bar on rank 0.")
+    progress_bar: bool = option(True, "Show a progress bar on rank 0 when stderr is a terminal (FTCTL_PROGRESS=1 forces it).")
     tensorboard: bool = option(True, "Deprecated: false drops tensorboard from report_to.")
     report_to: List[str] = option(
         factory=lambda: ["tensorboard"],
