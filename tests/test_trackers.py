@@ -158,3 +158,19 @@ def test_a_resumed_run_continues_its_mlflow_run(make_cfg, run_training, monkeypa
     steps = [m.step for m in client.get_metric_history(run_id, "train/loss")]
     assert sorted(steps) == [1, 2, 3, 3, 4, 4]  # steps 3 and 4 again, from the resumed process
     assert client.get_run(run_id).info.status == "FINISHED"
+
+
+@pytest.mark.slow
+def test_only_rank_0_of_a_multi_process_run_reports(tiny_model_dir, tmp_path, monkeypatch):
+    mlflow_tracking = pytest.importorskip("mlflow.tracking")
+    run_dir = tmp_path / "run"
+    command = [sys.executable, "-m", "ftctl", "train", "recipe=tiny_lora", f"model.name_or_path={tiny_model_dir}",
+               f"output_dir={run_dir}", "precision=fp32", "parallel=ddp", "parallel.nproc_per_node=2", "train.max_steps=2",
+               "train.progress_bar=false", "train.num_threads=1", "train.plot=false", "train.report_to=[mlflow]"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600, env=_offline_env(tmp_path))
+    assert result.returncode == 0, result.stderr[-3000:]
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    client = mlflow_tracking.MlflowClient(tracking_uri=(run_dir / "mlruns").resolve().as_uri())
+    runs = [r for e in client.search_experiments() for r in client.search_runs([e.experiment_id])]
+    assert len(runs) == 1
+    assert [m.step for m in client.get_metric_history(runs[0].info.run_id, "train/loss")] == [1, 2]
