@@ -8,7 +8,8 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 TORCH_PIP_ARGS ?=
 STAMP := $(VENV)/.ftctl-installed
-export FTCTL_HOME ?= $(CURDIR)/.ftctl-home
+# FTCTL_HOME is deliberately not set here: `make demo` and `ftctl` in the activated venv then share
+# one cache ($FTCTL_HOME if you set it, else ~/.cache/ftctl), so the demo's converted model is reused.
 
 .PHONY: setup demo test test-precision clean
 

@@ -235,7 +235,8 @@ def run_generate(options: Dict[str, str]) -> dict:
 
     from ftctl.evaluation.generation import generate
 
-    outputs = generate(model, tokenizer, [item.messages for item in items], decoding.max_new_tokens, batch_size=batch_size, **decoding.kwargs())
+    outputs = generate(model, tokenizer, [item.messages for item in items], decoding.max_new_tokens, batch_size=batch_size,
+                       progress="generate", **decoding.kwargs())
     output.parent.mkdir(parents=True, exist_ok=True)
     staging = output.with_name(f".{output.name}.partial-{os.getpid()}")
     try:

@@ -28,6 +28,7 @@ commands:
   export         write a result as a transformers dir or a GGUF file: ftctl export model=RUN_DIR format=hf|gguf output=PATH
   chat           talk to a model: ftctl chat model=NAME_OR_DIR_OR_GGUF [adapter=DIR] [prompt="..."]
   generate       answer a file of prompts: ftctl generate model=NAME input=FILE output=FILE.jsonl
+  plot           draw a run's loss curve: ftctl plot RUN_DIR [output=FILE.png]
 """
 
 
@@ -137,6 +138,33 @@ def cmd_train(args) -> int:
         raise
     print(done_line(result))
     return 0
+
+
+#: The keys most runs set, listed by `ftctl train --help` with their schema help (config-docs has them all).
+MAIN_KEYS = (
+    "model.name_or_path", "data.path", "data.format", "data.eval_path", "output_dir", "method.r", "train.max_steps",
+    "train.lr", "train.global_batch_size", "train.micro_batch_size", "train.report_to", "resume",
+)
+
+
+def train_help_epilog() -> str:
+    """The config groups with their choices and the main keys; built only when help is asked for."""
+    import textwrap
+
+    from ftctl.config.compose import GROUPS, group_options, schema_fields
+
+    fields = schema_fields()
+    width = max(map(len, MAIN_KEYS)) + 2
+    groups = [f"  {group:<10} {', '.join(group_options(group))}" for group in GROUPS]
+    keys = [f"  {key:<{width}} {textwrap.shorten(fields[key].metadata.get('help', ''), 116 - width)}" for key in MAIN_KEYS if key in fields]
+    return "\n".join([
+        "config groups (GROUP=CHOICE; recipe= presets several):", *groups, "",
+        "main keys (KEY=VALUE):", *keys, "",
+        "every key with its type, default and meaning: ftctl config-docs",
+        "examples:",
+        "  ftctl train model.name_or_path=smollm2-135m-instruct data.path=my.jsonl output_dir=runs/mine",
+        "  ftctl train recipe=tiny_lora method=qlora train.lr=1e-4 'train.report_to=[tensorboard,mlflow]'",
+    ])
 
 
 def cmd_estimate(args) -> int:
@@ -323,6 +351,21 @@ def cmd_generate(args) -> int:
     return 0
 
 
+PLOT_KEYS = {"output": "the image to write; default RUN_DIR/loss_curve.png"}
+
+
+def cmd_plot(args) -> int:
+    from ftctl.training.plot import can_plot, draw_loss_curve
+
+    options = parse_key_values(args.options, PLOT_KEYS, "plot", "output=curve.png")
+    if not Path(args.run_dir, "metrics.jsonl").is_file():
+        raise FtctlError(f"{args.run_dir}: no metrics.jsonl here; pass the output_dir of a training run")
+    if not can_plot():
+        raise FtctlError("plotting needs matplotlib: pip install 'ftctl[plot]'")
+    print(f"plotted {args.run_dir} -> {draw_loss_curve(args.run_dir, options.get('output'))}")
+    return 0
+
+
 def _key_value_command(sub, name: str, help_text: str, usage: str, keys: dict, func) -> None:
     width = max(len(key) for key in keys) + 2
     keys_help = "\n".join(f"  {key:<{width}} {text}" for key, text in keys.items())
@@ -341,7 +384,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)
     sub = parser.add_subparsers(dest="command", metavar="command")
 
-    train = sub.add_parser("train", help="fine-tune a model", description="ftctl train recipe=NAME [key=value ...]")
+    train = sub.add_parser("train", help="fine-tune a model", description="ftctl train recipe=NAME [key=value ...]",
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+    # Reading the recipe tree and the schema costs start-up time every other command would pay: only on --help.
+    train.format_help = lambda: argparse.ArgumentParser.format_help(train) + "\n" + train_help_epilog() + "\n"
     train.add_argument("overrides", nargs="*", help="config overrides, key=value")
     train.add_argument("--config", metavar="FILE", help="a recipe file from anywhere (`ftctl recipes cp NAME FILE` makes one); key=value arguments still win")
     train.add_argument("--cfg", action="store_true", help="print the resolved config and exit")
@@ -397,6 +443,12 @@ def build_parser() -> argparse.ArgumentParser:
     _key_value_command(sub, "generate", "answer every prompt of a file into a jsonl file",
                        "ftctl generate model=NAME_OR_DIR_OR_GGUF input=FILE output=FILE.jsonl [key=value ...]", GENERATE_OPTIONS, cmd_generate)
 
+    plot = sub.add_parser("plot", help="draw a run's loss curve into RUN_DIR/loss_curve.png",
+                          description="ftctl plot RUN_DIR [output=FILE.png]: train and eval loss from RUN_DIR/metrics.jsonl (needs matplotlib)")
+    plot.add_argument("run_dir", metavar="RUN_DIR", help="a training run's output_dir")
+    plot.add_argument("options", nargs="*", help="output=FILE.png")
+    plot.set_defaults(func=cmd_plot)
+
     data = sub.add_parser("data", help="inspect training data")
     data_sub = data.add_subparsers(dest="data_command", metavar="subcommand")
     prev = data_sub.add_parser("preview", help="rendered examples with trained spans marked")
@@ -406,8 +458,10 @@ def build_parser() -> argparse.ArgumentParser:
     for name, p in sub.choices.items():
         p.prog = f"ftctl {name}"  # not the top-level usage, which argparse would put in front of every one
         p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks")
+        p.add_argument("--no-progress", action="store_true", default=argparse.SUPPRESS, help="no progress bars (also FTCTL_PROGRESS=0)")
     prev.prog = "ftctl data preview"
     prev.add_argument("--debug", action="store_true", default=argparse.SUPPRESS)
+    prev.add_argument("--no-progress", action="store_true", default=argparse.SUPPRESS)
     parser.command_parsers = {**sub.choices, "data preview": prev}
     return parser
 
@@ -426,6 +480,10 @@ def _not_the_cpu_accelerator_notice(record: logging.LogRecord) -> bool:
     return not record.getMessage().startswith("Setting accelerator to CPU")
 
 
+def _not_the_missing_kernels_notice(record: logging.LogRecord) -> bool:
+    return not record.getMessage().startswith("Failed to load CPU gemm_4bit_forward from kernels-community")
+
+
 def quiet_libraries(debug: bool) -> None:
     """What the libraries print that a user cannot act on stays out of ftctl's output (the CLI and every worker)."""
     # ftctl reports its own progress; the libraries' per-file bars would bury it.
@@ -433,6 +491,9 @@ def quiet_libraries(debug: bool) -> None:
     # transformers asks DeepSpeed about ZeRO-3 whenever it saves a model, and on a machine without a GPU
     # DeepSpeed then warns it is "setting accelerator to CPU", in runs that use no DeepSpeed at all.
     logging.getLogger("DeepSpeed").addFilter(_not_the_cpu_accelerator_notice)  # DeepSpeed's own logger; adding twice is a no-op
+    # bitsandbytes, imported by peft in every adapter run, looks on avx512_bf16 CPUs for an optional
+    # hub kernel package ("kernels") and says so when it is absent; its own 4-bit CPU path works without it.
+    logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(_not_the_missing_kernels_notice)
     if not debug:  # deprecation notices between transformers and peft are not the user's to act on
         warnings.filterwarnings("ignore", category=FutureWarning)
 
@@ -443,6 +504,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     if unknown:
         _refuse_unknown_arguments(parser, args, unknown)
     args.debug = getattr(args, "debug", False)
+    if getattr(args, "no_progress", False):
+        os.environ["FTCTL_PROGRESS"] = "0"  # an environment variable, so that worker processes see it too
     if not getattr(args, "func", None):  # no command, or a command group without its subcommand (`ftctl data`)
         parser.command_parsers.get(args.command, parser).print_help()
         return 0 if args.command is None else 2

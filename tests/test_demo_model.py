@@ -232,11 +232,16 @@ def _load_script(name: str):
     return module
 
 
-def test_demo_draws_the_loss_curve_from_the_runs_metrics(tmp_path):
-    demo = _load_script("demo")
+def test_the_demo_run_draws_its_loss_curve_from_its_metrics(tmp_path):
+    """The demo's loss_curve.png is the one `ftctl train recipe=smollm2_demo` draws at its end."""
+    pytest.importorskip("matplotlib")
+    from ftctl.config.compose import compose_config
+    from ftctl.training.plot import plot_after_run
+
+    assert compose_config(["recipe=smollm2_demo"]).train.plot
     rows = [{"step": s, "loss": 2.0 / s} for s in range(1, 6)] + [{"step": 5, "eval_loss": 0.5}]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    png = demo.plot_loss(tmp_path)
+    png = plot_after_run(tmp_path)
     assert png == tmp_path / "loss_curve.png" and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

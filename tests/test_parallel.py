@@ -58,6 +58,7 @@ def common(tiny_model_dir):
         "method.dropout=0.0",
         "train.progress_bar=false",
         "train.tensorboard=false",
+        "train.plot=false",
         "train.num_threads=1",
         "parallel.zero3_persistence_threshold=0",  # the tiny model's tensors are all below DeepSpeed's default
     ]

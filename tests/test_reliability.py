@@ -35,7 +35,7 @@ KILL_SEED = int(os.environ.get("FTCTL_TEST_SEED", "20261130"))
 def train_cli(tiny_model_dir, out, *extra):
     args = [sys.executable, "-m", "ftctl", "train", "recipe=tiny_lora", f"model.name_or_path={tiny_model_dir}",
             f"output_dir={out}", "train.max_steps=30", "train.save_every=4", "method.dropout=0.1", "precision=fp32",
-            "train.progress_bar=false", "train.tensorboard=false", "train.num_threads=1", *extra]
+            "train.progress_bar=false", "train.tensorboard=false", "train.plot=false", "train.num_threads=1", *extra]
     return args
 
 

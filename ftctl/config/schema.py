@@ -127,8 +127,14 @@ class TrainConfig:
     eval_every: int = option(0, "Eval loss every this many steps; 0 = only at the end when an eval split exists.")
     save_every: int = option(0, "Checkpoint every this many steps; 0 = no intermediate checkpoints.")
     keep_last: int = option(0, "Checkpoints to keep; 0 keeps all.")
-    progress_bar: bool = option(True, "Show a progress bar on rank 0.")
-    tensorboard: bool = option(True, "Also log metrics to TensorBoard under output_dir/tensorboard.")
+    progress_bar: bool = option(True, "Show a progress bar on rank 0 when stderr is a terminal (FTCTL_PROGRESS=1 forces it).")
+    tensorboard: bool = option(True, "Deprecated: false drops tensorboard from report_to.")
+    report_to: List[str] = option(
+        factory=lambda: ["tensorboard"],
+        help="Trackers that receive every metrics line: tensorboard (output_dir/tensorboard), wandb (offline into "
+        "output_dir/wandb without network or credentials), mlflow (MLFLOW_TRACKING_URI, else output_dir/mlruns); [] for none.",
+    )
+    plot: bool = option(True, "Draw output_dir/loss_curve.png when the run ends (needs matplotlib; `ftctl plot RUN_DIR` redraws it).")
     max_nonfinite_steps: int = option(
         0, "Steps with a NaN/inf loss or gradient to skip before stopping; the update of such a step is never applied."
     )
@@ -157,4 +163,5 @@ PRECISIONS = ("fp32", "bf16", "fp16", "auto")
 LR_SCHEDULERS = ("cosine", "linear", "constant")
 #: Steps a run takes when neither train.max_steps nor train.epochs is set.
 DEFAULT_MAX_STEPS = 100
+TRACKERS = ("tensorboard", "wandb", "mlflow")
 ATTENTION_KERNELS = ("sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention")

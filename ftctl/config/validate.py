@@ -5,7 +5,7 @@ All of them run before torch is imported, so a mistake costs a message, not a mo
 
 from __future__ import annotations
 
-from ftctl.config.schema import ATTENTION_KERNELS, LR_SCHEDULERS, METHODS, PARALLEL_BACKENDS, PRECISIONS, RunConfig
+from ftctl.config.schema import ATTENTION_KERNELS, LR_SCHEDULERS, METHODS, PARALLEL_BACKENDS, PRECISIONS, TRACKERS, RunConfig
 from ftctl.errors import ConfigError, did_you_mean
 
 
@@ -86,6 +86,8 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError(f"train.min_lr_ratio={t.min_lr_ratio} must be in [0, 1]")
     _choice("train.lr_scheduler", t.lr_scheduler, LR_SCHEDULERS)
     _choice("train.optimizer", t.optimizer, ("adamw", "adamw_8bit", "paged_adamw_8bit", "paged_adamw_32bit"))
+    for tracker in t.report_to:
+        _choice("train.report_to", tracker, TRACKERS)
 
     _choice("model.attn_implementation", cfg.model.attn_implementation, ATTENTION_KERNELS)
     from data_formats import get_format

@@ -176,7 +176,7 @@ def run_eval(req: EvalRequest) -> dict:
         len(examples), req.data_path, data_format, model_name, f" + adapter {adapter_dir}" if adapter_dir else "", metric,
     )
     start = time.perf_counter()
-    predictions = generate(net, tokenizer, [e.prompt for e in examples], req.max_new_tokens, batch_size=req.batch_size)
+    predictions = generate(net, tokenizer, [e.prompt for e in examples], req.max_new_tokens, batch_size=req.batch_size, progress="eval")
     seconds = time.perf_counter() - start
     correct = score(metric, predictions, [e.reference for e in examples])
 

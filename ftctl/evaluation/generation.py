@@ -12,6 +12,8 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
+from ftctl.progress import progress_bar
+
 Messages = List[Dict[str, str]]
 
 
@@ -57,13 +59,14 @@ def generate(
     temperature: float = 0.0,
     top_p: float = 1.0,
     seed: Optional[int] = None,
+    progress: Optional[str] = None,
 ) -> List[str]:
     """Completions of each conversation's next assistant turn, in input order.
 
     Greedy when ``temperature`` is 0; otherwise sampled at that temperature from the ``top_p``
     nucleus, reproducibly for a given ``seed``. Conversations are batched by prompt length (less
     padding); each completion stops at EOS (or any of ``stop_token_ids``) and is decoded without
-    special tokens.
+    special tokens. ``progress`` names a progress bar over the conversations (none when None).
     """
     if not messages_list:
         return []
@@ -81,6 +84,7 @@ def generate(
     else:
         # Greedy must not inherit sampling settings from the model's generation_config.
         decoding = {"do_sample": False, "temperature": None, "top_p": None, "top_k": None}
+    bar = progress_bar(len(prompts), progress, unit="ex") if progress else None
     try:
         with _seeded(seed if temperature > 0 else None, device):
             for start in range(0, len(order), batch_size):
@@ -99,6 +103,10 @@ def generate(
                     new_tokens = generated[row, ids.shape[1]:].tolist()
                     cut = next((k for k, t in enumerate(new_tokens) if t in stops), len(new_tokens))
                     outputs[i] = tokenizer.decode(new_tokens[:cut], skip_special_tokens=True)
+                if bar is not None:
+                    bar.update(len(chunk))
     finally:
+        if bar is not None:
+            bar.close()
         model.train(was_training)
     return outputs

@@ -27,6 +27,7 @@ from ftctl.export.gguf_families import (
 )
 from ftctl.export.gguf_vocab import add_vocab, vocab_for_gguf
 from ftctl.export.tensor_names import gguf_tensor_name, interleave_rotary_rows, split_tensor_names
+from ftctl.progress import progress_bar
 
 log = logging.getLogger("ftctl")
 
@@ -164,8 +165,10 @@ def write_gguf(model, tokenizer, output, quant: str = DEFAULT_QUANT, *, name: Op
         writer.write_header_to_file(path=staging)
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()
-        for entry in plan:
-            writer.write_tensor_data(_tensor_data(entry, state, config))
+        with progress_bar(len(plan), f"write {output.name}", unit="tensor") as bar:
+            for entry in plan:
+                writer.write_tensor_data(_tensor_data(entry, state, config))
+                bar.update(1)
         writer.close()
         os.replace(staging, output)
     except BaseException:

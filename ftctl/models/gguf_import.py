@@ -12,9 +12,11 @@ import importlib.util
 import json
 import logging
 import os
+from contextlib import contextmanager
 from pathlib import Path
 
 from ftctl.errors import FtctlError
+from ftctl.progress import progress_iter, stages
 
 log = logging.getLogger("ftctl")
 
@@ -49,6 +51,23 @@ def smollm2_gguf_path() -> Path:
     return path
 
 
+@contextmanager
+def _dequantize_bar_under_ftctl_rule():
+    """transformers' GGUF reader draws a per-tensor tqdm bar whether or not anyone watches (it fills log
+    files); while it reads, that bar follows ftctl's progress rule instead."""
+    import transformers.modeling_gguf_pytorch_utils as reader
+
+    original = getattr(reader, "tqdm", None)
+    if original is None:  # another transformers version: nothing to adjust
+        yield
+        return
+    reader.tqdm = lambda iterable, *args, **kwargs: progress_iter(iterable, "dequantize", unit="tensor")
+    try:
+        yield
+    finally:
+        reader.tqdm = original
+
+
 def load_gguf(gguf_path: Path):
     """(plain fp32 transformers model, tokenizer) read from a GGUF file; the model saves like any other."""
     if importlib.util.find_spec("gguf") is None:
@@ -62,7 +81,8 @@ def load_gguf(gguf_path: Path):
     folder, name = str(gguf_path.parent), gguf_path.name
     try:
         tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-        loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+        with _dequantize_bar_under_ftctl_rule():
+            loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
     except Exception as exc:  # the GGUF reader raises many types for a damaged or unsupported file
         raise FtctlError(
             f"could not read {gguf_path} as a GGUF model ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); "
@@ -84,12 +104,14 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     """Write ``gguf_path`` as a transformers model dir into ``out_dir`` (fp32 safetensors + tokenizer)."""
     gguf_path = Path(gguf_path)
     log.info("converting %s into a transformers model dir (once; about a minute for SmolLM2-135M)", gguf_path)
-    model, tokenizer = load_gguf(gguf_path)
-
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out_dir, safe_serialization=True)
-    tokenizer.save_pretrained(out_dir)
+    with stages("convert", ["read GGUF", "write safetensors"]) as stage:
+        stage("read GGUF")
+        model, tokenizer = load_gguf(gguf_path)
+        stage("write safetensors")
+        out_dir = Path(out_dir)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        model.save_pretrained(out_dir, safe_serialization=True)
+        tokenizer.save_pretrained(out_dir)
     stat = gguf_path.stat()
     (out_dir / "ftctl_source.json").write_text(
         json.dumps({"converted_from": str(gguf_path.resolve()), "bytes": stat.st_size}, indent=2) + "\n"

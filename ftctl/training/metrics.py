@@ -1,32 +1,30 @@
-"""Metrics to <output_dir>/metrics.jsonl, TensorBoard and a progress bar; only the main rank writes."""
+"""Metrics to <output_dir>/metrics.jsonl, the trackers of train.report_to and a progress bar; only the main rank writes."""
 
 from __future__ import annotations
 
 import json
 import logging
 import math
-import sys
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence
+
+from ftctl.progress import progress_bar as progress_bar_for
+from ftctl.progress import progress_enabled
+from ftctl.training.trackers import numeric_values, open_trackers
 
 log = logging.getLogger("ftctl")
 
 
 class MetricsLogger:
-    def __init__(self, run_dir: Path, total_steps: int, start_step: int, *, enabled: bool, tensorboard: bool, progress_bar: bool):
+    def __init__(self, run_dir: Path, total_steps: int, start_step: int, *, enabled: bool, trackers: Sequence[str] = (),
+                 params: Optional[dict] = None, progress_bar: bool):
         self.enabled = enabled
         self._file = open(run_dir / "metrics.jsonl", "a") if enabled else None
-        self._tb = None
-        if enabled and tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self._tb = SummaryWriter(str(run_dir / "tensorboard"))
+        self._trackers = open_trackers(list(trackers), run_dir, params or {}) if enabled else []
         self._bar = None
-        if enabled and progress_bar:
-            from tqdm.auto import tqdm
-
-            self._bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step", file=sys.stderr, dynamic_ncols=True)
+        if enabled and progress_bar and progress_enabled():
+            self._bar = progress_bar_for(total_steps, "train", unit="step", initial=start_step)
 
     def log(self, step: int, metrics: dict) -> None:
         if not self.enabled:
@@ -34,10 +32,9 @@ class MetricsLogger:
         record = {"step": step, **{k: _plain(v) for k, v in metrics.items()}}
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
-        if self._tb is not None:
-            for key, value in record.items():
-                if key != "step" and isinstance(value, (int, float)):
-                    self._tb.add_scalar(key if "/" in key else f"train/{key}" if not key.startswith("eval") else f"eval/{key}", value, step)
+        values = numeric_values(record)
+        for tracker in self._trackers:
+            tracker.log(step, values)
         if self._bar is not None and "loss" in record:
             self._bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record.get('tokens_per_s', 0):.0f}", refresh=False)
         if "eval_loss" in record:
@@ -56,8 +53,8 @@ class MetricsLogger:
     def close(self) -> None:
         if self._bar is not None:
             self._bar.close()
-        if self._tb is not None:
-            self._tb.close()
+        for tracker in self._trackers:
+            tracker.close()
         if self._file is not None:
             self._file.close()
 

@@ -27,17 +27,17 @@ log = logging.getLogger("ftctl")
 RESUME_SAFE_KEYS = {
     "resume", "overwrite", "output_dir",
     "train.save_every", "train.keep_last", "train.log_every", "train.eval_every", "train.progress_bar",
-    "train.tensorboard", "train.num_threads", "train.max_nonfinite_steps",
+    "train.tensorboard", "train.report_to", "train.plot", "train.num_threads", "train.max_nonfinite_steps",
     "parallel.master_addr", "parallel.master_port", "parallel.rdzv_backend", "parallel.rdzv_id", "parallel.node_rank",
     "data.cache_dir",
 }
 
 
-def _flatten(d: dict, prefix: str = "") -> Dict[str, object]:
+def flatten_keys(d: dict, prefix: str = "") -> Dict[str, object]:
     out = {}
     for key, value in d.items():
         if isinstance(value, dict):
-            out.update(_flatten(value, f"{prefix}{key}."))
+            out.update(flatten_keys(value, f"{prefix}{key}."))
         else:
             out[f"{prefix}{key}"] = value
     return out
@@ -49,7 +49,7 @@ RUN_LENGTH_KEYS = {"train.max_steps", "train.epochs"}
 
 def config_differences(old: RunConfig, new: RunConfig) -> List[str]:
     """Keys whose change would make the resumed run compute something else, each as `key (run: old, now: new)`."""
-    a, b = _flatten(asdict(old)), _flatten(asdict(new))
+    a, b = flatten_keys(asdict(old)), flatten_keys(asdict(new))
     differing = sorted(k for k in a.keys() | b.keys() if k not in RESUME_SAFE_KEYS | RUN_LENGTH_KEYS and a.get(k) != b.get(k))
     return [f"{k} (run: {_shown(a.get(k))}, now: {_shown(b.get(k))})" for k in differing]
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import random
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Optional
 
@@ -33,9 +33,11 @@ from ftctl.training.interrupts import NonFiniteGuard, StepOutcome, StopRequest, 
 from ftctl.training.loss import token_loss_sum
 from ftctl.training.metrics import LogWindow, MetricsLogger
 from ftctl.training.optimizers import build_optimizer
-from ftctl.training.resume import restore_training_state, resume_checkpoint
+from ftctl.training.plot import plot_after_run
+from ftctl.training.resume import flatten_keys, restore_training_state, resume_checkpoint
 from ftctl.training.run_dir import announce_run_dir
 from ftctl.training.schedule import learning_rate, total_steps
+from ftctl.training.trackers import requested_trackers
 
 log = logging.getLogger("ftctl")
 
@@ -107,7 +109,8 @@ def _train(cfg: RunConfig, run_dir: Path, backend) -> TrainResult:
 
     sampler = StepSampler(len(train_data), t.global_batch_size, cfg.seed, cfg.data.shuffle)
     make_batches = Batching.from_config(cfg, tokenizer.pad_token_id)
-    metrics = MetricsLogger(run_dir, steps, start_step, enabled=backend.is_main, tensorboard=t.tensorboard, progress_bar=t.progress_bar)
+    metrics = MetricsLogger(run_dir, steps, start_step, enabled=backend.is_main, trackers=requested_trackers(t),
+                            params=flatten_keys(asdict(cfg)), progress_bar=t.progress_bar)
     window = LogWindow()
     nonfinite = NonFiniteGuard(t.max_nonfinite_steps, precision.needs_scaler)
     outcome, eval_loss = None, None
@@ -146,6 +149,8 @@ def _train(cfg: RunConfig, run_dir: Path, backend) -> TrainResult:
                     )
         finally:
             metrics.close()
+            if backend.is_main and t.plot:  # an interrupted run's curve too: it shows where it stopped
+                plot_after_run(run_dir)
 
     final_dir = run_dir / "final"
     state = engine.gathered_state_dict()

@@ -1,0 +1,83 @@
+"""The loss curve of a run dir (``loss_curve.png``), drawn from its metrics.jsonl when matplotlib is installed.
+
+`ftctl train` draws it when a run ends and `ftctl plot RUN_DIR` redraws it. pyplot is never
+imported: a figure drawn through the Agg canvas leaves the process's backend alone.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import math
+from pathlib import Path
+from typing import Optional
+
+from ftctl.errors import FtctlError
+
+log = logging.getLogger("ftctl")
+
+PLOT_FILE = "loss_curve.png"
+
+
+def can_plot() -> bool:
+    return importlib.util.find_spec("matplotlib") is not None
+
+
+def _title(run_dir: Path) -> str:
+    """'<method> on <model>' from the run's config.yaml, else the run dir's name."""
+    import yaml
+
+    try:
+        cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
+        return f"{cfg['method']['name']} on {Path(str(cfg['model']['name_or_path'])).name}"
+    except (OSError, KeyError, TypeError, yaml.YAMLError):
+        return run_dir.name
+
+
+def draw_loss_curve(run_dir, output=None, title: Optional[str] = None) -> Path:
+    """Train loss per logged step and the eval losses as points, on a log scale; returns the file written."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
+
+    from ftctl.training.metrics import read_metrics
+
+    run_dir = Path(run_dir)
+    rows = read_metrics(run_dir)
+    train = [(r["step"], r["loss"]) for r in rows if math.isfinite(r.get("loss", math.nan))]
+    evals = [(r["step"], r["eval_loss"]) for r in rows if math.isfinite(r.get("eval_loss", math.nan))]
+    if not train and not evals:
+        raise FtctlError(f"{run_dir}: no metrics.jsonl with losses to plot; pass the output_dir of a run that took a step")
+    fig = Figure(figsize=(6, 3.6), dpi=120)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    if train:
+        ax.plot(*zip(*train), label="train loss", color="tab:blue")
+    if evals:
+        ax.plot(*zip(*evals), "o", label="held-out loss", color="tab:orange")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("cross-entropy per trained token")
+    losses = [loss for _, loss in train + evals]
+    if min(losses) > 0 and max(losses) / min(losses) >= 10:  # a loss falling by orders of magnitude reads best on a log scale
+        ax.set_yscale("log")
+    ax.set_title(title or _title(run_dir))
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    out = Path(output) if output else run_dir / PLOT_FILE
+    fig.savefig(out)
+    return out
+
+
+def plot_after_run(run_dir: Path) -> Optional[Path]:
+    """The end-of-run plot: skipped without matplotlib; a failure to draw is a warning, never a failed run."""
+    if not can_plot() or not (run_dir / "metrics.jsonl").is_file():
+        return None
+    try:
+        return draw_loss_curve(run_dir)
+    except FtctlError:  # stopped before its first metrics line: nothing to draw
+        return None
+    except Exception as exc:  # noqa: BLE001 - the run's results are saved; a plot must not turn it into a failure
+        log.warning("could not draw %s: %s", run_dir / PLOT_FILE, exc)
+        return None
