@@ -98,3 +98,86 @@ def build_tiny_llama(
     model.save_pretrained(out, safe_serialization=True)
     (out / "ftctl_tiny.json").write_text(json.dumps({"seed": seed, "num_layers": num_layers}))
     return out
+
+
+#: Tiny random configs of the decoder families ftctl is tested on: transformers config class and the
+#: keys that differ from the shared shape (2 layers, hidden 64, 4 heads of 16, 2 KV heads, FFN 128).
+#: Sizes the configs default to for real models (Gemma's head_dim 256, MoE expert counts, sliding
+#: windows of thousands) are shrunk so every family builds and runs in milliseconds.
+TINY_FAMILIES = {
+    "llama": ("LlamaConfig", {}),
+    "qwen2": ("Qwen2Config", {}),
+    "qwen3": ("Qwen3Config", {"head_dim": 16}),
+    "mistral": ("MistralConfig", {"head_dim": 16, "sliding_window": None}),
+    "gemma2": ("Gemma2Config", {"head_dim": 16, "query_pre_attn_scalar": 16, "sliding_window": 32}),
+    "gemma3": ("Gemma3TextConfig", {"head_dim": 16, "query_pre_attn_scalar": 16, "sliding_window": 32}),
+    "phi3": ("Phi3Config", {}),
+    "olmo2": ("Olmo2Config", {}),
+    # Non-trivial multipliers, so a path that ignores them (the fused head loss) would show.
+    "granite": ("GraniteConfig", {"logits_scaling": 2.0, "embedding_multiplier": 1.5, "residual_multiplier": 0.5,
+                                  "attention_multiplier": 0.25}),
+    "smollm3": ("SmolLM3Config", {}),
+    "gpt2": ("GPT2Config", {}),
+    # YaRN's factor must equal max_position_embeddings / original_max_position_embeddings (1024 / 32).
+    "gpt_oss": ("GptOssConfig", {"head_dim": 16, "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 32,
+                                 "rope_parameters": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                                     "truncate": False, "original_max_position_embeddings": 32,
+                                                     "rope_theta": 150000.0}}),
+    "mixtral": ("MixtralConfig", {"head_dim": 16, "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": None}),
+    "qwen3_moe": ("Qwen3MoeConfig", {"head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2,
+                                     "moe_intermediate_size": 64, "decoder_sparse_step": 1}),
+}
+
+
+def build_tiny_model(
+    family: str,
+    out_dir: str | Path,
+    *,
+    num_layers: int = 2,
+    hidden_size: int = 64,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    intermediate_size: int = 128,
+    vocab_size: int = 512,
+    max_position_embeddings: int = 1024,
+    seed: int = 0,
+    initializer_range: float = 0.1,
+    **overrides,
+) -> Path:
+    """Write a random model of ``family`` (a key of :data:`TINY_FAMILIES`) and the ChatML tokenizer into ``out_dir``.
+
+    ``overrides`` set further config keys (e.g. ``tie_word_embeddings``). Deterministic like
+    :func:`build_tiny_llama`, which it equals for ``family="llama"`` up to the config's defaults.
+    """
+    import torch
+    import transformers
+
+    if family not in TINY_FAMILIES:
+        raise ValueError(f"unknown family {family!r}; known: {', '.join(TINY_FAMILIES)}")
+    config_class_name, family_keys = TINY_FAMILIES[family]
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer(out, vocab_size=vocab_size)
+    if family == "gpt2":
+        shape = {"n_embd": hidden_size, "n_layer": num_layers, "n_head": num_heads, "n_inner": intermediate_size,
+                 "n_positions": max_position_embeddings}
+    else:
+        shape = {"hidden_size": hidden_size, "num_hidden_layers": num_layers, "num_attention_heads": num_heads,
+                 "num_key_value_heads": num_kv_heads, "intermediate_size": intermediate_size,
+                 "max_position_embeddings": max_position_embeddings}
+    config = getattr(transformers, config_class_name)(
+        vocab_size=len(tokenizer),
+        initializer_range=initializer_range,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=None,
+        **{**shape, **family_keys, **overrides},
+    )
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.bos_token_id = None
+    model.save_pretrained(out, safe_serialization=True)
+    (out / "ftctl_tiny.json").write_text(json.dumps({"seed": seed, "num_layers": num_layers, "family": family}))
+    return out
