@@ -47,22 +47,30 @@ def load_tokenizer(model_cfg: ModelConfig, model_path: str):
     return tokenizer
 
 
-def load_causal_lm(model_cfg: ModelConfig, model_path: str, *, dtype, quantization_config=None, device_map=None):
-    from transformers import AutoModelForCausalLM
+def load_causal_lm(model_cfg: ModelConfig, model_path: str, *, dtype, quantization_config=None, device_map=None,
+                   device_type: str = "cpu", packing: bool = False):
+    """The model with ``model_cfg``'s settings; ``device_type`` and ``packing`` inform ``attn_implementation=auto``."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from ftctl.models.attention_choice import AUTO, choose_attn_implementation
 
     try:
+        config = AutoConfig.from_pretrained(model_path, revision=model_cfg.revision, trust_remote_code=model_cfg.trust_remote_code)
+        kernel = choose_attn_implementation(model_cfg.attn_implementation, config, device_type=device_type, packing=packing)
         return AutoModelForCausalLM.from_pretrained(
             model_path,
+            config=config,
             revision=model_cfg.revision,
             trust_remote_code=model_cfg.trust_remote_code,
             dtype=dtype,
-            attn_implementation=model_cfg.attn_implementation,
+            attn_implementation=kernel,
             quantization_config=quantization_config,
             device_map=device_map,
             use_safetensors=None,
         )
     except (OSError, ValueError) as exc:
-        raise FtctlError(f"could not load the model from {model_path}: {str(exc).splitlines()[0]}") from None
+        hint = "" if model_cfg.attn_implementation == AUTO else f" (model.attn_implementation={AUTO} picks a kernel the model has)"
+        raise FtctlError(f"could not load the model from {model_path}: {str(exc).splitlines()[0]}{hint}") from None
 
 
 def model_config_dict(model_path: Optional[str]) -> dict:
