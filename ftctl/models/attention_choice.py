@@ -14,6 +14,8 @@ from __future__ import annotations
 import importlib.util
 from typing import Optional
 
+from ftctl.errors import FtctlError
+
 AUTO = "auto"
 
 
@@ -27,9 +29,23 @@ def causal_lm_class(config):
         return None
 
 
+#: The class flag that says whether a model class has each kernel.
+_SUPPORT_FLAGS = {"sdpa": "_supports_sdpa", "flash_attention_2": "_supports_flash_attn",
+                  "flash_attention_3": "_supports_flash_attn", "flex_attention": "_supports_flex_attn"}
+
+
 def choose_attn_implementation(requested: str, config, *, device_type: str = "cpu", packing: bool = False) -> Optional[str]:
-    """The kernel to pass to ``from_pretrained``: ``requested`` unless it is ``auto``; None lets transformers pick."""
+    """The kernel to pass to ``from_pretrained``: ``requested`` unless it is ``auto``; None lets transformers pick.
+
+    An explicit kernel the model class lacks is refused here, in one line, rather than by transformers' paragraph.
+    """
     if requested != AUTO:
+        model_class = causal_lm_class(config)
+        flag = _SUPPORT_FLAGS.get(requested)
+        if model_class is not None and flag is not None and not getattr(model_class, flag, False):
+            picked = choose_attn_implementation(AUTO, config, device_type=device_type, packing=packing)
+            raise FtctlError(f"model.attn_implementation={requested}: {model_class.__name__} has no {requested} attention; "
+                             f"use model.attn_implementation={AUTO} (it picks {picked})")
         return requested
     model_class = causal_lm_class(config)
     if model_class is None:
