@@ -187,8 +187,7 @@ def merge_adapter(adapter_dir, base: Optional[str] = None, dtype: str = "float32
 
     ``base_key`` names the option that gave ``base`` in messages (merge's base=, chat's and eval's model=).
     """
-    from ftctl.config.schema import ModelConfig
-    from ftctl.models.loading import load_causal_lm
+    from ftctl.models.loading import load_causal_lm, trained_model_config
 
     _check_dtype(dtype)
     adapter_dir = Path(adapter_dir).expanduser().absolute()
@@ -200,7 +199,7 @@ def merge_adapter(adapter_dir, base: Optional[str] = None, dtype: str = "float32
     _check_base_fits(adapter_dir, adapter_config, base_path, tokenizer)
 
     quantization = (read_adapter_info(adapter_dir) or {}).get("quantization")
-    model_cfg = ModelConfig(name_or_path=base_path)
+    model_cfg = trained_model_config(base_path, str(adapter_dir))
     if quantization and dequantize:
         from ftctl.methods.quantization import QuantSettings, load_dequantized
 

@@ -167,3 +167,22 @@ def test_dora_on_moe_adapts_the_linear_layers_and_names_what_it_leaves_out(tiny,
     adapted = {name for name, p in model.named_parameters() if p.requires_grad}
     assert any("q_proj.lora_magnitude_vector" in n for n in adapted)
     assert not any("experts" in n for n in adapted)
+
+
+def test_merge_and_chat_load_with_the_kernel_the_run_trained_with(make_cfg, run_training, tmp_path):
+    from ftctl.evaluation.evaluate import load_model
+    from ftctl.merging import merge_adapter
+
+    result, _ = run_training(make_cfg("model.attn_implementation=eager", "precision=fp32", "train.max_steps=1",
+                                      "train.micro_batch_size=2", "train.global_batch_size=2"))
+    merged, _ = merge_adapter(result.final_dir)
+    assert merged.config._attn_implementation == "eager"
+    # Anything that is not a run's result loads with auto; the base of this one has sdpa.
+    base, _ = load_model(_base_of(result.final_dir))
+    assert base.config._attn_implementation == "sdpa"
+
+
+def _base_of(adapter_dir):
+    import json
+
+    return json.loads((adapter_dir / "adapter_config.json").read_text())["base_model_name_or_path"]
