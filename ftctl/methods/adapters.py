@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+import warnings
 from pathlib import Path
 from typing import List, Optional, Union
 
@@ -103,7 +104,11 @@ class AdapterMethod(Method):
             task_type="CAUSAL_LM",
         )
         try:
-            model = get_peft_model(base, config, autocast_adapter_dtype=True)
+            with warnings.catch_warnings():
+                # peft's own transformers-5 MoE conversion sets these patterns; the user set none and can change nothing.
+                warnings.filterwarnings("ignore", message=r"The following (rank|alpha)_pattern keys did not match",
+                                        category=RuntimeWarning)
+                model = get_peft_model(base, config, autocast_adapter_dtype=True)
         except ValueError as exc:
             from ftctl.errors import FtctlError
 
