@@ -36,23 +36,38 @@ def family_dirs(tmp_path_factory):
     return get
 
 
-def _train(family_dirs, tmp_path_factory, family, *overrides):
+_composed: dict = {}
+
+
+def _config(family_dirs, *overrides):
+    """The composed config of a cell kind; Hydra takes longer than the two training steps, so once per kind."""
+    import copy
+
     from ftctl.config.compose import compose_config
+
+    if overrides not in _composed:
+        _composed[overrides] = compose_config([
+            "recipe=tiny_lora",
+            f"model.name_or_path={family_dirs('llama')}",
+            "output_dir=unused",
+            "overwrite=true",
+            "precision=fp32",
+            "train.max_steps=2", "train.micro_batch_size=2", "train.global_batch_size=4",
+            "data.max_seq_len=64",
+            "train.progress_bar=false", "train.tensorboard=false",
+            *overrides,
+        ])
+    return copy.deepcopy(_composed[overrides])
+
+
+def _train(family_dirs, tmp_path_factory, family, *overrides):
     from ftctl.training.run_dir import prepare_run_dir
     from ftctl.training.metrics import read_metrics
     from ftctl.training.runner import train
 
-    cfg = compose_config([
-        "recipe=tiny_lora",
-        f"model.name_or_path={family_dirs(family)}",
-        f"output_dir={tmp_path_factory.mktemp(f'run_{family}')}",
-        "overwrite=true",
-        "precision=fp32",
-        "train.max_steps=2", "train.micro_batch_size=2", "train.global_batch_size=4",
-        "data.max_seq_len=64",
-        "train.progress_bar=false", "train.tensorboard=false",
-        *overrides,
-    ])
+    cfg = _config(family_dirs, *overrides)
+    cfg.model.name_or_path = str(family_dirs(family))
+    cfg.output_dir = str(tmp_path_factory.mktemp(f"run_{family}"))
     run_dir = prepare_run_dir(cfg)
     result = train(cfg, run_dir)
     losses = [m["loss"] for m in read_metrics(run_dir) if "loss" in m]

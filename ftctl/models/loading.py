@@ -52,7 +52,7 @@ def load_causal_lm(model_cfg: ModelConfig, model_path: str, *, dtype, quantizati
     """The model with ``model_cfg``'s settings; ``device_type`` and ``packing`` inform ``attn_implementation=auto``."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from ftctl.models.attention_choice import AUTO, choose_attn_implementation
+    from ftctl.models.attention_choice import choose_attn_implementation
 
     try:
         config = AutoConfig.from_pretrained(model_path, revision=model_cfg.revision, trust_remote_code=model_cfg.trust_remote_code)
@@ -69,8 +69,7 @@ def load_causal_lm(model_cfg: ModelConfig, model_path: str, *, dtype, quantizati
             use_safetensors=None,
         )
     except (OSError, ValueError) as exc:
-        hint = "" if model_cfg.attn_implementation == AUTO else f" (model.attn_implementation={AUTO} picks a kernel the model has)"
-        raise FtctlError(f"could not load the model from {model_path}: {str(exc).splitlines()[0]}{hint}") from None
+        raise FtctlError(f"could not load the model from {model_path}: {str(exc).splitlines()[0]}") from None
 
 
 def trained_model_config(name_or_path: str, result: Optional[str]) -> ModelConfig:
