@@ -186,3 +186,25 @@ def _base_of(adapter_dir):
     import json
 
     return json.loads((adapter_dir / "adapter_config.json").read_text())["base_model_name_or_path"]
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+def test_moe_adapter_exports_to_hf_with_the_adapter_models_logits(family, tiny, tmp_path):
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    from ftctl.export import export_model, request_from_options
+
+    adapted = get_peft_model(_load(tiny(family)), LoraConfig(r=4, target_modules="all-linear", init_lora_weights=False))
+    adapted.save_pretrained(tmp_path / "adapter")
+    assert adapted.peft_config["default"].target_parameters
+    written = export_model(request_from_options({"model": str(tmp_path / "adapter"), "format": "hf",
+                                                 "output": str(tmp_path / "hf")}))
+    exported = _load(written).eval()
+    reference = PeftModel.from_pretrained(_load(tiny(family)), str(tmp_path / "adapter")).eval()
+    ids = torch.tensor([[3, 17, 40, 99, 120, 7]])
+    with torch.no_grad():
+        want, got = reference(input_ids=ids).logits, exported(input_ids=ids).logits
+        with reference.disable_adapter():
+            untouched = reference(input_ids=ids).logits
+    assert (got - want).abs().max().item() < 1e-4
+    assert (want - untouched).abs().max().item() > 1e-3  # random (not zero) B: the experts' adapters change the output
