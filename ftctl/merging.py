@@ -100,6 +100,21 @@ def _expected_shape(module: torch.nn.Module, part: str, shape: Tuple[int, ...], 
     return {"lora_A": (rank, fan_in), "lora_B": (fan_out, rank), "lora_magnitude_vector": (fan_out,)}.get(part)
 
 
+def _parameter_wrapper_target(name: str) -> Tuple[str, int]:
+    """(the base module, how many wrappers deep) for an adapted module path.
+
+    peft adapts parameters (``target_parameters``: fused MoE experts, routers) with a ``ParamWrapper``
+    around the module that holds them; a second adapted parameter of the same module wraps the first
+    wrapper, so its keys read ``experts.base_layer.lora_A``. The ``base_layer`` steps name no module
+    of the base.
+    """
+    stacked = 0
+    while name.endswith(".base_layer"):
+        name = name[: -len(".base_layer")]
+        stacked += 1
+    return name, stacked
+
+
 def adapter_mismatches(base_model: torch.nn.Module, shapes: Dict[str, Tuple[int, ...]], fan_in_fan_out: bool = False) -> List[str]:
     """Every adapter tensor that has no place in ``base_model`` or a shape that does not fit there."""
     modules = dict(base_model.named_modules())
@@ -114,9 +129,15 @@ def adapter_mismatches(base_model: torch.nn.Module, shapes: Dict[str, Tuple[int,
                 problems.append(f"{key} is {list(shape)} in the adapter but {list(params[key].shape)} in the base")
             continue
         name, part = match.group("module"), match.group("part")
+        name, stacked = _parameter_wrapper_target(name)
         if name not in modules:
             problems.append(f"adapted layer {name} does not exist in the base")
             continue
+        if stacked:
+            own = [p for p in modules[name].parameters(recurse=False) if p.ndim >= 2]
+            if len(own) <= stacked:
+                problems.append(f"adapted parameters of {name}: the adapter wraps {stacked + 1}, the base holds {len(own)}")
+            continue  # a ParamWrapper's factor shapes depend on which parameter it wraps; peft checks them on load
         expected = _expected_shape(modules[name], part, shape, fan_in_fan_out)
         if expected is not None and tuple(expected) != shape:
             problems.append(f"{name}.{part} is {list(shape)} in the adapter but the base layer needs {list(expected)}")
@@ -167,8 +188,7 @@ def merge_adapter(adapter_dir, base: Optional[str] = None, dtype: str = "float32
 
     ``base_key`` names the option that gave ``base`` in messages (merge's base=, chat's and eval's model=).
     """
-    from ftctl.config.schema import ModelConfig
-    from ftctl.models.loading import load_causal_lm
+    from ftctl.models.loading import load_causal_lm, trained_model_config
 
     _check_dtype(dtype)
     adapter_dir = Path(adapter_dir).expanduser().absolute()
@@ -180,7 +200,7 @@ def merge_adapter(adapter_dir, base: Optional[str] = None, dtype: str = "float32
     _check_base_fits(adapter_dir, adapter_config, base_path, tokenizer)
 
     quantization = (read_adapter_info(adapter_dir) or {}).get("quantization")
-    model_cfg = ModelConfig(name_or_path=base_path)
+    model_cfg = trained_model_config(base_path, str(adapter_dir))
     with stages("merge adapter", ["load base", "load adapter", "merge"]) as stage:
         stage("load base")
         if quantization and dequantize:

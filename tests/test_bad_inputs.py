@@ -38,7 +38,7 @@ CASES = {
     "seq_len_small": (lambda d: ["data.max_seq_len=8"], r"data.max_seq_len=8 is too small"),
     "eval_fraction": (lambda d: ["data.eval_fraction=-0.1"], r"data.eval_fraction=-0.1 must be in \[0, 1\)"),
     "broken_chat_template": (lambda d: ['data.chat_template="{% if %}"'], r"data.chat_template is not a valid Jinja template: .*line 1"),
-    "unknown_attention": (lambda d: ["model.attn_implementation=flash"], r"model.attn_implementation='flash' is not one of sdpa, eager"),
+    "unknown_attention": (lambda d: ["model.attn_implementation=flash"], r"model.attn_implementation='flash' is not one of auto, sdpa, eager"),
     "flash_attention_here": (lambda d: ["model.attn_implementation=flash_attention_2"],
                              r"flash_attention_2 (runs only on CUDA GPUs|needs the flash_attn package)"),
     "unknown_format": (lambda d: ["data.format=alpacca"], r"unknown data.format 'alpacca'. Did you mean 'alpaca'\?"),

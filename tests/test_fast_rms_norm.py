@@ -10,8 +10,16 @@ import torch
 from ftctl.models.fast_rms_norm import SAME_AS_LLAMA, use_fast_rms_norm
 
 
+#: Norm classes of other families, each computing one of the variants (rms_norm_variant finds which).
+OTHER_VARIANTS = {"Gemma2RMSNorm": "one_plus_weight", "Gemma3RMSNorm": "one_plus_weight", "Olmo2RMSNorm": "weight_fp32",
+                  "GptOssRMSNorm": "weight_fp32", "Phi3RMSNorm": "weight", "GraniteRMSNorm": "weight",
+                  "SmolLM3RMSNorm": "weight", "MixtralRMSNorm": "weight", "Qwen3MoeRMSNorm": "weight"}
+_MODULES = {"GptOss": "gpt_oss", "Qwen3Moe": "qwen3_moe"}
+
+
 def _norm_class(name: str):
-    family = name[: -len("RMSNorm")].lower()
+    family = name[: -len("RMSNorm")]
+    family = _MODULES.get(family, family.lower())
     module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
     return getattr(module, name)
 
@@ -25,7 +33,7 @@ def _forward_backward(norm, x, grad):
     return out, x.grad, weight_grad
 
 
-@pytest.mark.parametrize("class_name", sorted(SAME_AS_LLAMA))
+@pytest.mark.parametrize("class_name", sorted(SAME_AS_LLAMA | set(OTHER_VARIANTS)))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("weight_trains", [True, False])
 def test_same_outputs_and_gradients_as_transformers(class_name, dtype, weight_trains):
@@ -68,10 +76,19 @@ def test_swapped_into_every_norm_of_a_llama_and_training_is_unchanged(tiny_model
 
 
 def test_norms_with_another_formula_keep_their_forward():
-    from transformers.models.gemma.modeling_gemma import GemmaRMSNorm  # scales by (1 + weight)
-
-    norm = GemmaRMSNorm(16)
+    # Weight-only and with an epsilon like an RMSNorm, but it subtracts the mean: no variant computes that.
+    norm = torch.nn.LayerNorm(16, bias=False)
     assert use_fast_rms_norm(norm) == 0 and "forward" not in vars(norm)
+    assert use_fast_rms_norm(torch.nn.LayerNorm(16)) == 0  # a bias: not a candidate at all
+
+
+@pytest.mark.parametrize("class_name", sorted(OTHER_VARIANTS))
+def test_the_probe_finds_each_familys_formula(class_name):
+    from ftctl.models.fast_rms_norm import rms_norm_variant
+
+    norm = _norm_class(class_name)(16)
+    norm.weight.data.normal_()
+    assert rms_norm_variant(norm) == OTHER_VARIANTS[class_name]
 
 
 def test_keeps_one_activation_and_the_inverse_rms_for_backward():

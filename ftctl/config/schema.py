@@ -29,7 +29,10 @@ class ModelConfig:
     tokenizer: Optional[str] = option(None, "Tokenizer dir or id when it differs from the model's.")
     revision: Optional[str] = option(None, "Hub revision (branch, tag or commit) to load.")
     trust_remote_code: bool = option(False, "Allow the model repo's own Python code to run. Off unless set.")
-    attn_implementation: str = option("sdpa", "Attention kernel: sdpa, eager, or flash_attention_2/3 on GPUs (needs flash-attn).")
+    attn_implementation: str = option(
+        "auto", "Attention kernel: auto (sdpa where the model class has it, else eager; flash-attention varlen for "
+        "packed runs on CUDA when installed), sdpa, eager, or flash_attention_2/3 on GPUs (needs flash-attn)."
+    )
 
 
 @dataclass
@@ -164,4 +167,4 @@ LR_SCHEDULERS = ("cosine", "linear", "constant")
 #: Steps a run takes when neither train.max_steps nor train.epochs is set.
 DEFAULT_MAX_STEPS = 100
 TRACKERS = ("tensorboard", "wandb", "mlflow")
-ATTENTION_KERNELS = ("sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention")
+ATTENTION_KERNELS = ("auto", "sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention")

@@ -98,6 +98,12 @@ def trained_system_prompt(*targets: Optional[str]) -> Optional[str]:
 
     A model trained with a system prompt answers as trained only when it sees that prompt again.
     """
+    run = trained_run_config(*targets)
+    return run.data.system_prompt if run is not None else None
+
+
+def trained_run_config(*targets: Optional[str]):
+    """The resolved config of the ftctl run that produced the first of ``targets`` that is a run result, or None."""
     from ftctl.config.compose import load_resolved
 
     for target in filter(None, targets):
@@ -105,7 +111,7 @@ def trained_system_prompt(*targets: Optional[str]) -> Optional[str]:
         for run_dir in (path, path.parent, path.parent.parent):
             if (run_dir / "config.yaml").is_file() and ((run_dir / "final").is_dir() or (run_dir / "checkpoints").is_dir()):
                 try:
-                    return load_resolved(run_dir / "config.yaml").data.system_prompt
+                    return load_resolved(run_dir / "config.yaml")
                 except FtctlError:
                     return None
     return None
@@ -140,9 +146,11 @@ def load_model(model: Optional[str], adapter_dir: Optional[Path] = None):
         from ftctl.models.gguf_import import load_gguf
 
         return load_gguf(Path(model).expanduser())
+    from ftctl.models.loading import trained_model_config
+
     model_path = resolve_model_path(model, key="model")
     tokenizer = load_tokenizer(ModelConfig(name_or_path=model), model_path)
-    return load_causal_lm(ModelConfig(name_or_path=model), model_path, dtype=torch.float32), tokenizer
+    return load_causal_lm(trained_model_config(model, model), model_path, dtype=torch.float32), tokenizer
 
 
 def load_for_generation(model: Optional[str], adapter_dir: Optional[Path] = None, chat_template: Optional[str] = None):

@@ -10,6 +10,9 @@ base was loaded (for QLoRA, the exact quantisation settings).
 from __future__ import annotations
 
 import json
+import logging
+import re
+import warnings
 from pathlib import Path
 from typing import List, Optional, Union
 
@@ -20,11 +23,39 @@ from ftctl.methods.dropout import use_bits_dropout
 from ftctl.methods.fused_lora import use_fused_lora_forward
 from ftctl.models.loading import load_causal_lm
 
+log = logging.getLogger("ftctl")
+
 ADAPTER_INFO_FILE = "ftctl_adapter.json"
 
 
 def lora_target_modules(names: List[str]) -> Union[str, List[str]]:
     return "all-linear" if list(names) == ["all-linear"] else list(names)
+
+
+def unadaptable_by_dora(model: torch.nn.Module) -> List[str]:
+    """Weight parameters outside linear layers (fused MoE experts, routers), which peft adapts only through
+    ``ParamWrapper``, and peft's DoRA has no ``ParamWrapper``. Named once per layer pattern (``layers.N`` → ``layers.*``)."""
+    from transformers.pytorch_utils import Conv1D
+
+    layer_kinds = (torch.nn.Linear, torch.nn.Embedding, Conv1D)
+    head = model.get_output_embeddings()
+    names = set()
+    for module_name, module in model.named_modules():
+        if isinstance(module, layer_kinds) or module is head:
+            continue
+        for param_name, param in module.named_parameters(recurse=False):
+            if param.ndim >= 2:
+                names.add(re.sub(r"\.\d+\.", ".*.", f"{module_name}.{param_name}"))
+    return sorted(names)
+
+
+def linear_layer_names(model: torch.nn.Module) -> List[str]:
+    """Every linear layer but the output head, as full module paths: what peft's all-linear finds."""
+    from transformers.pytorch_utils import Conv1D
+
+    head = model.get_output_embeddings()
+    return sorted(name for name, module in model.named_modules()
+                  if isinstance(module, (torch.nn.Linear, Conv1D)) and module is not head)
 
 
 def read_adapter_info(adapter_dir: Path) -> Optional[dict]:
@@ -41,7 +72,7 @@ class AdapterMethod(Method):
 
     def load_base(self, model_path, precision, device):
         # Frozen base weights may sit in the compute dtype; LoRA weights are created fp32 below.
-        base = load_causal_lm(self.cfg.model, model_path, dtype=precision.frozen_weight_dtype())
+        base = load_causal_lm(self.cfg.model, model_path, dtype=precision.frozen_weight_dtype(), **self.load_context(device))
         return base.to(device)
 
     def base_info(self) -> dict:
@@ -54,11 +85,18 @@ class AdapterMethod(Method):
         m = self.cfg.method
         base = self.load_base(model_path, precision, device)
         base.requires_grad_(False)
+        targets = lora_target_modules(m.target_modules)
+        left_out = unadaptable_by_dora(base) if self.use_dora and targets == "all-linear" else []
+        if left_out:
+            # all-linear would make peft wrap the fused expert parameters too, which its DoRA refuses.
+            targets = linear_layer_names(base)
+            log.warning("method=%s: DoRA adapts the linear layers only; left out (no DoRA for fused MoE weights, "
+                        "method=lora adapts them): %s", self.name, ", ".join(left_out))
         config = LoraConfig(
             r=m.r,
             lora_alpha=m.alpha,
             lora_dropout=m.dropout,
-            target_modules=lora_target_modules(m.target_modules),
+            target_modules=targets,
             use_dora=self.use_dora,
             use_rslora=m.use_rslora,
             modules_to_save=list(m.modules_to_save) or None,
@@ -66,10 +104,19 @@ class AdapterMethod(Method):
             task_type="CAUSAL_LM",
         )
         try:
-            model = get_peft_model(base, config, autocast_adapter_dtype=True)
+            with warnings.catch_warnings():
+                # peft's own transformers-5 MoE conversion sets these patterns; the user set none and can change nothing.
+                warnings.filterwarnings("ignore", message=r"The following (rank|alpha)_pattern keys did not match",
+                                        category=RuntimeWarning)
+                model = get_peft_model(base, config, autocast_adapter_dtype=True)
         except ValueError as exc:
             from ftctl.errors import FtctlError
 
+            if self.use_dora and "ParamWrapper" in str(exc):
+                raise FtctlError(
+                    f"method.target_modules={list(m.target_modules)} reaches fused MoE expert parameters, which DoRA "
+                    f"cannot adapt; name linear layers only (e.g. [q_proj,k_proj,v_proj,o_proj]) or use method=lora"
+                ) from None
             raise FtctlError(f"method.target_modules={list(m.target_modules)}: {exc}") from None
         for param in model.parameters():
             if param.requires_grad and param.dtype != torch.float32:
@@ -113,7 +160,7 @@ class QuantizedAdapterMethod(AdapterMethod):
         from ftctl.methods.quantization import QuantSettings, load_4bit, prepare_for_kbit_training
 
         self.settings = QuantSettings.from_method(self.cfg.method, precision.compute_dtype)
-        base = load_4bit(self.cfg.model, model_path, self.settings, device)
+        base = load_4bit(self.cfg.model, model_path, self.settings, device, packing=self.cfg.data.packing)
         return prepare_for_kbit_training(base, self.cfg.train.gradient_checkpointing)
 
     def base_info(self):

@@ -19,6 +19,10 @@ class Method:
     def __init__(self, cfg: RunConfig):
         self.cfg = cfg
 
+    def load_context(self, device: torch.device) -> Dict[str, object]:
+        """What ``load_causal_lm`` needs to choose the attention kernel for this run (model.attn_implementation=auto)."""
+        return {"device_type": torch.device(device).type, "packing": self.cfg.data.packing}
+
     def build_model(self, model_path: str, precision: PrecisionPolicy, device: torch.device) -> torch.nn.Module:
         """Load the base and make it trainable the method's way: only the right parameters require grad."""
         raise NotImplementedError

@@ -52,22 +52,42 @@ def load_tokenizer(model_cfg: ModelConfig, model_path: str):
     return tokenizer
 
 
-def load_causal_lm(model_cfg: ModelConfig, model_path: str, *, dtype, quantization_config=None, device_map=None):
-    from transformers import AutoModelForCausalLM
+def load_causal_lm(model_cfg: ModelConfig, model_path: str, *, dtype, quantization_config=None, device_map=None,
+                   device_type: str = "cpu", packing: bool = False):
+    """The model with ``model_cfg``'s settings; ``device_type`` and ``packing`` inform ``attn_implementation=auto``."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from ftctl.models.attention_choice import choose_attn_implementation
 
     try:
+        config = AutoConfig.from_pretrained(model_path, revision=model_cfg.revision, trust_remote_code=model_cfg.trust_remote_code)
+        kernel = choose_attn_implementation(model_cfg.attn_implementation, config, device_type=device_type, packing=packing)
         return AutoModelForCausalLM.from_pretrained(
             model_path,
+            config=config,
             revision=model_cfg.revision,
             trust_remote_code=model_cfg.trust_remote_code,
             dtype=dtype,
-            attn_implementation=model_cfg.attn_implementation,
+            attn_implementation=kernel,
             quantization_config=quantization_config,
             device_map=device_map,
             use_safetensors=None,
         )
     except (OSError, ValueError) as exc:
         raise FtctlError(f"could not load the model from {model_path}: {str(exc).splitlines()[0]}") from None
+
+
+def trained_model_config(name_or_path: str, result: Optional[str]) -> ModelConfig:
+    """How to load ``name_or_path`` for a run ``result`` (adapter, run or output dir): with the attention kernel
+    that run trained with (its config.yaml), so merge, eval, chat, generate and export see the model training saw.
+    Anything else loads with the defaults (``auto``)."""
+    from ftctl.evaluation.evaluate import trained_run_config
+
+    run = trained_run_config(result)
+    # These commands load on the CPU first; a GPU-only kernel (flash-attention) is left to auto there.
+    if run is None or run.model.attn_implementation not in ("sdpa", "eager"):
+        return ModelConfig(name_or_path=name_or_path)
+    return ModelConfig(name_or_path=name_or_path, attn_implementation=run.model.attn_implementation)
 
 
 def model_config_dict(model_path: Optional[str]) -> dict:

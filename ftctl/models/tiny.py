@@ -1,4 +1,5 @@
-"""A tiny random Llama with its own byte-level BPE tokenizer, built locally (tests and the quick demo).
+"""Tiny random models with their own byte-level BPE tokenizer, built locally (tests and the quick demo):
+a Llama (:func:`build_tiny_llama`) or any family of :data:`TINY_FAMILIES` (:func:`build_tiny_model`).
 
 Deterministic: the same arguments give the same weights and the same vocabulary.
 """

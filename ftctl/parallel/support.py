@@ -76,7 +76,7 @@ def device_refusal(cfg, device_type: str) -> Optional[str]:
     kernel = cfg.model.attn_implementation
     if kernel in FLASH_ATTENTION_PACKAGES:
         if device_type != "cuda":
-            return f"model.attn_implementation={kernel} runs only on CUDA GPUs; use sdpa (the default) on {device_type.upper()}"
+            return f"model.attn_implementation={kernel} runs only on CUDA GPUs; use auto (the default) or sdpa on {device_type.upper()}"
         if importlib.util.find_spec(FLASH_ATTENTION_PACKAGES[kernel]) is None:
             return (f"model.attn_implementation={kernel} needs the {FLASH_ATTENTION_PACKAGES[kernel]} package, "
                     f"which is not installed; install flash-attn or use sdpa")

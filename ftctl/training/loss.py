@@ -58,9 +58,6 @@ def head_for_loss(module: torch.nn.Module) -> Optional[torch.nn.Linear]:
         inner = getattr(inner, "module", None)
         if not isinstance(inner, torch.nn.Module):
             return None
-    config = getattr(inner, "config", None)
-    if getattr(config, "model_type", None) not in HEAD_RETURNS_PLAIN_LOGITS:
-        return None
     head = inner.get_output_embeddings()
     # A quantised, adapted or wrapped head (bitsandbytes, a LoRA layer on lm_head, modules_to_save)
     # does not hold a plain (vocab, hidden) weight; it takes the plain path.
@@ -68,7 +65,51 @@ def head_for_loss(module: torch.nn.Module) -> Optional[torch.nn.Linear]:
         return None
     if not head.weight.dtype.is_floating_point:
         return None
-    return head
+    return head if returns_head_output(inner) else None
+
+
+#: Where :func:`returns_head_output` keeps its verdict on the model (one probe per model).
+_VERDICT = "_ftctl_returns_head_output"
+
+
+def returns_head_output(model: torch.nn.Module) -> bool:
+    """Whether ``model``'s forward returns its output head's result unchanged as ``.logits``.
+
+    Decided by what the forward does, not by the family's name: the head is made to return a
+    marker tensor for one forward of two tokens, and the logits must be that very tensor. Granite's
+    logit scaling and Gemma's final soft-capping compute a new tensor, so those models take the
+    plain loss path. Called once before training (:func:`ftctl.training.runner`), before any
+    wrapper; the verdict is kept on the model. Falls back to the verified families of
+    :data:`HEAD_RETURNS_PLAIN_LOGITS` for a model the probe cannot run on (meta weights).
+    """
+    verdict = model.__dict__.get(_VERDICT)
+    if verdict is not None:
+        return verdict
+    head = model.get_output_embeddings()
+    weight = getattr(head, "weight", None)
+    if weight is None or weight.device.type == "meta":
+        return getattr(getattr(model, "config", None), "model_type", None) in HEAD_RETURNS_PLAIN_LOGITS
+    marker = []
+
+    def marked(hidden: torch.Tensor) -> torch.Tensor:
+        marker.append(hidden.new_zeros(hidden.shape[:-1] + (head.out_features,)))
+        return marker[-1]
+
+    previous = head.__dict__.get("forward")
+    head.forward = marked
+    try:
+        with torch.no_grad():
+            logits = model(input_ids=torch.zeros((1, 2), dtype=torch.long, device=weight.device), use_cache=False).logits
+        verdict = len(marker) == 1 and logits is marker[0]
+    except (RuntimeError, TypeError, ValueError):
+        verdict = False
+    finally:
+        if previous is None:
+            del head.forward
+        else:
+            head.forward = previous
+    model.__dict__[_VERDICT] = verdict
+    return verdict
 
 
 @contextlib.contextmanager

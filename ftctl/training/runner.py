@@ -30,7 +30,8 @@ from ftctl.parallel import create_backend
 from ftctl.precision import resolve_precision
 from ftctl.training.checkpoint import save_checkpoint
 from ftctl.training.interrupts import NonFiniteGuard, StepOutcome, StopRequest, TrainingInterrupted
-from ftctl.training.loss import token_loss_sum
+from ftctl.training.loss import returns_head_output, token_loss_sum
+from ftctl.training.packing_check import check_packing
 from ftctl.training.metrics import LogWindow, MetricsLogger
 from ftctl.training.optimizers import build_optimizer
 from ftctl.training.plot import plot_after_run
@@ -86,8 +87,10 @@ def _train(cfg: RunConfig, run_dir: Path, backend) -> TrainResult:
 
     model = method.build_model(model_path, precision, backend.build_device)
     use_fast_rms_norm(model)
+    returns_head_output(model)  # probed now, before any wrapper: decides the fused head loss (ftctl.training.loss)
     if cfg.data.packing:
         use_packed_attention(model)
+        check_packing(model, tokenizer.pad_token_id, precision.compute_dtype)
     resume_from = resume_checkpoint(cfg, run_dir)
     if resume_from is not None:
         method.load_checkpoint_weights(model, resume_from)
