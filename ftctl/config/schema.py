@@ -94,6 +94,11 @@ class DataConfig:
         "Pack each micro-batch's examples into shared rows of up to max_seq_len tokens instead of padding "
         "them; attention stays inside each example, so the loss is unchanged and padding is removed.",
     )
+    packed_attention: str = option(
+        "auto",
+        "Kernel of packed attention: auto (CUDA: flash_varlen if flash-attn is installed, else torch's varlen, "
+        "else flex; CPU: sdpa), flash_varlen, varlen, flex or sdpa (causal SDPA per example).",
+    )
     shuffle: bool = option(True, "Shuffle examples every epoch (seeded).")
     cache_dir: Optional[str] = option(None, "Tokenized-data cache; default $FTCTL_HOME/data_cache.")
 
@@ -125,6 +130,9 @@ class TrainConfig:
         0, "Steps with a NaN/inf loss or gradient to skip before stopping; the update of such a step is never applied."
     )
     num_threads: int = option(0, "torch CPU threads per process; 0 = torch's default.")
+    compile: bool = option(
+        False, "torch.compile each decoder layer on its own (regional compilation); pays off only on long runs."
+    )
 
 
 @dataclass
@@ -146,4 +154,5 @@ class RunConfig:
 METHODS = ("full", "lora", "qlora", "dora")
 PARALLEL_BACKENDS = ("single", "ddp", "fsdp", "zero1", "zero2", "zero3")
 PRECISIONS = ("fp32", "bf16", "fp16", "auto")
+PACKED_ATTENTION_KERNELS = ("auto", "flash_varlen", "varlen", "flex", "sdpa")
 ATTENTION_KERNELS = ("sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention")
