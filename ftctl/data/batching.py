@@ -64,6 +64,10 @@ class MicroBatch:
     cu_seq_lens: Optional["torch.Tensor"] = None  # noqa: F821
     row_lengths: Optional[Tuple[Tuple[int, ...], ...]] = None
     longest_span: int = 0
+    # The flattened positions that carry a trained next-token label, and those labels: worked out
+    # here on the host, because selecting them on the device with a boolean mask reads its count back.
+    loss_positions: Optional["torch.Tensor"] = None  # noqa: F821
+    loss_targets: Optional["torch.Tensor"] = None  # noqa: F821
 
     def model_inputs(self, device, packed_kernel: Optional[str] = None) -> Dict[str, "torch.Tensor"]:  # noqa: F821
         """The model's keyword inputs on ``device``; ``packed_kernel``: the packed attention the model runs, if any."""
@@ -92,6 +96,17 @@ def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
+def trained_positions(labels: np.ndarray):
+    """(flattened positions whose next token trains, those next tokens) as int64 tensors."""
+    import torch
+
+    targets = np.full_like(labels, IGNORE_INDEX)
+    targets[:, :-1] = labels[:, 1:]
+    flat = targets.reshape(-1)
+    positions = np.flatnonzero(flat != IGNORE_INDEX)
+    return torch.from_numpy(positions.astype(np.int64)), torch.from_numpy(flat[positions].copy())
+
+
 def collate(examples: Sequence, pad_token_id: int, pad_to_multiple_of: int = 8) -> MicroBatch:
     """Right-pad to the longest example (rounded up); padding is masked from attention and loss."""
     import torch
@@ -106,7 +121,9 @@ def collate(examples: Sequence, pad_token_id: int, pad_to_multiple_of: int = 8) 
         mask[row, : len(x)] = 1
     # A label at position t is predicted from position t-1, so the first token never counts.
     trained = int((labels[:, 1:] != IGNORE_INDEX).sum())
-    return MicroBatch(ids, mask, labels, trained, int(mask.sum()), positions=ids.numel())
+    loss_positions, loss_targets = trained_positions(labels.numpy())
+    return MicroBatch(ids, mask, labels, trained, int(mask.sum()), positions=ids.numel(),
+                      loss_positions=loss_positions, loss_targets=loss_targets)
 
 
 def pack_rows(lengths: Sequence[int], row_len: int) -> List[List[int]]:
@@ -176,11 +193,12 @@ def pack_examples(examples: Sequence, row_len: int, pad_token_id: int, pad_to_mu
             spans.append(width - start)
         row_lengths.append(tuple(spans[first_span:]))
     trained = int((labels[:, 1:] != IGNORE_INDEX).sum())
+    loss_positions, loss_targets = trained_positions(labels)
     return MicroBatch(
         torch.from_numpy(ids), None, torch.from_numpy(labels), trained, sum(lengths),
         position_ids=torch.from_numpy(positions), positions=ids.size,
         cu_seq_lens=torch.from_numpy(np.concatenate([[0], np.cumsum(spans)]).astype(np.int32)),
-        row_lengths=tuple(row_lengths), longest_span=max(spans),
+        row_lengths=tuple(row_lengths), longest_span=max(spans), loss_positions=loss_positions, loss_targets=loss_targets,
     )
 
 

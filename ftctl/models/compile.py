@@ -12,6 +12,9 @@ from typing import List
 
 import torch
 
+#: torch.compile's backend; tests swap in "aot_eager" (same tracing and autograd, no C++ code generation).
+COMPILE_BACKEND = "inductor"
+
 
 def decoder_layers(model: torch.nn.Module) -> List[torch.nn.Module]:
     """The repeated blocks of a causal LM: the longest ``ModuleList`` named ``layers`` (or ``h``, ``blocks``)."""
@@ -28,5 +31,5 @@ def compile_decoder_layers(model: torch.nn.Module) -> int:
     for layer in layers:
         # Packed micro-batches differ in shape from one to the next: dynamic shapes from the start
         # instead of one recompilation per new length.
-        layer.compile(dynamic=True)
+        layer.compile(dynamic=True, backend=COMPILE_BACKEND)
     return len(layers)

@@ -39,21 +39,23 @@ def next_token_targets(labels: torch.Tensor) -> torch.Tensor:
 def token_loss_sum(module: torch.nn.Module, batch, device: torch.device) -> torch.Tensor:
     """Sum of the cross-entropies of every trained token of ``batch`` (padded or packed).
 
-    Nothing here reads a device tensor back: which positions train is worked out on the host, from
-    the labels, and only the answer is copied to the device.
+    Nothing here reads a device tensor back: which positions train is worked out on the host, by the
+    collator, and only the answer is copied to the device.
     """
     inputs = batch.model_inputs(device, packed_kernel=packed_kernel_of(module))
-    targets = next_token_targets(batch.labels)
     head = head_for_loss(module)
     if head is None:
         logits = module(**inputs, use_cache=False).logits
         return F.cross_entropy(
-            logits.float().reshape(-1, logits.size(-1)), _to_device(targets, device).reshape(-1),
+            logits.float().reshape(-1, logits.size(-1)), _to_device(next_token_targets(batch.labels), device).reshape(-1),
             ignore_index=IGNORE_INDEX, reduction="sum",
         )
-    flat = targets.reshape(-1)
-    trained = (flat != IGNORE_INDEX).nonzero().squeeze(1)
-    with _head_computes_loss(head, _to_device(trained, device), _to_device(flat[trained], device)):
+    positions, trained_targets = batch.loss_positions, batch.loss_targets
+    if positions is None:  # a batch not built by ftctl.data.batching
+        flat = next_token_targets(batch.labels).reshape(-1)
+        positions = (flat != IGNORE_INDEX).nonzero().squeeze(1)
+        trained_targets = flat[positions]
+    with _head_computes_loss(head, _to_device(positions, device), _to_device(trained_targets, device)):
         # The head returned the loss in place of the logits.
         return module(**inputs, use_cache=False).logits
 
@@ -63,7 +65,7 @@ def _to_device(host: torch.Tensor, device) -> torch.Tensor:
     device = torch.device(device)
     if device.type != "cuda":
         return host.to(device)
-    return host.pin_memory().to(device, non_blocking=True)
+    return (host if host.is_pinned() else host.pin_memory()).to(device, non_blocking=True)
 
 
 def head_for_loss(module: torch.nn.Module) -> Optional[torch.nn.Linear]:
