@@ -325,3 +325,73 @@ def test_cuda_micro_batch_loop_never_syncs(make_cfg, run_training, monkeypatch):
         torch.cuda.set_sync_debug_mode("default")
     assert [m["step"] for m in metrics if "loss" in m] == [1, 2]
     assert all(m["mem_peak_alloc_gib"] > 0 for m in metrics if "loss" in m)
+
+
+def _saved_bytes_per_layer(make_cfg, method: str):
+    """Bytes autograd keeps per decoder layer (distinct storages, neither parameters nor the layer's inputs), bf16 autocast."""
+    import torch
+
+    from ftctl.methods import create_method
+    from ftctl.models.fast_rms_norm import use_fast_rms_norm
+    from ftctl.models.packed_attention import use_packed_attention
+    from ftctl.precision import resolve_precision
+
+    cfg = make_cfg(f"method={method}", "method.r=4", "method.dropout=0.0", "precision=bf16", "data.packing=true")
+    precision = resolve_precision(cfg.precision, torch.device("cpu"))
+    model = create_method(cfg).build_model(cfg.model.name_or_path, precision, torch.device("cpu"))
+    use_fast_rms_norm(model)
+    assert use_packed_attention(model)
+    model.train()
+    batch = pack_examples([(list(range(1, n + 1)), list(range(1, n + 1))) for n in (40, 24, 60, 4)], 64, 0)
+    parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    layers = [m for m in model.modules() if type(m).__name__ == "LlamaDecoderLayer"]
+    saved = {i: [] for i in range(len(layers))}
+    inputs = {i: set() for i in range(len(layers))}
+
+    def watch(i, layer):
+        hooks = torch.autograd.graph.saved_tensors_hooks(lambda t: saved[i].append(t) or t, lambda t: t)
+
+        def enter(module, args, kwargs):
+            flat = list(args) + list(kwargs.values()) + list(kwargs.get("position_embeddings") or ())
+            inputs[i].update(t.untyped_storage().data_ptr() for t in flat if isinstance(t, torch.Tensor))
+            hooks.__enter__()
+
+        layer.register_forward_pre_hook(enter, with_kwargs=True)
+        layer.register_forward_hook(lambda *_: hooks.__exit__(None, None, None))
+
+    for i, layer in enumerate(layers):
+        watch(i, layer)
+    with precision.autocast():
+        model(**batch.model_inputs("cpu", packed_kernel="sdpa"))
+    out = []
+    for i in range(len(layers)):
+        storages = {t.untyped_storage().data_ptr(): (t.untyped_storage().nbytes(), t.dtype) for t in saved[i]}
+        kept = {ptr: v for ptr, v in storages.items() if ptr not in parameters and ptr not in inputs[i]}
+        out.append((sum(n for n, _ in kept.values()), {dtype for _, dtype in kept.values()}))
+    frozen = {p.dtype for p in model.parameters() if not p.requires_grad and p.dtype.is_floating_point}
+    return out, frozen
+
+
+def test_qlora_keeps_no_more_for_backward_than_lora(make_cfg):
+    """QLoRA's unquantised weights (embeddings, norms) used to be upcast to fp32 by peft's k-bit
+    preparation, which made the residual stream and every layer's saved activations fp32 (plus the
+    bf16 copies autocast makes for the matmuls): QLoRA held more than LoRA at the same batch. Now a
+    QLoRA layer keeps exactly what a LoRA layer keeps, and the estimate says so too."""
+    import torch
+
+    from ftctl.config.compose import compose_config
+    from ftctl.estimate import estimate_for
+
+    lora, lora_frozen = _saved_bytes_per_layer(make_cfg, "lora")
+    qlora, qlora_frozen = _saved_bytes_per_layer(make_cfg, "qlora")
+    assert qlora_frozen == lora_frozen == {torch.bfloat16}
+    assert [n for n, _ in qlora] == [n for n, _ in lora] and all(n > 0 for n, _ in lora)
+
+    def estimate(method):
+        return estimate_for(compose_config([f"recipe=llama7b_{method}", "precision=bf16", "train.micro_batch_size=8",
+                                            "method.r=16", "method.dropout=0.05", "method.target_modules=[all-linear]",
+                                            "data.max_seq_len=2048", "train.gradient_checkpointing=false"]))
+
+    e_lora, e_qlora = estimate("lora"), estimate("qlora")
+    assert e_qlora.activations_bytes == e_lora.activations_bytes
+    assert e_qlora.total_bytes < e_lora.total_bytes
