@@ -462,6 +462,7 @@ def main() -> None:
                    " (default ftctl-packed,ftctl-padded,trl; on cuda also trl-packed, and trl-liger when liger-kernel is installed)")
     p.add_argument("--override", action="append", default=[], help="extra ftctl override for ftctl runs (repeatable), "
                                                                    "e.g. data.packed_attention=flex or train.compile=true")
+    p.add_argument("--work", help="work dir to keep and reuse (built models, tokenized data); default a fresh temp dir")
     p.add_argument("--json", help="also write the results here")
     args = p.parse_args()
     if args.worker:
@@ -483,7 +484,8 @@ def main() -> None:
         args.contenders = "ftctl-packed,ftctl-padded,trl" + (",trl-packed" if gpu else "") + \
             (",trl-liger" if gpu and importlib.util.find_spec("liger_kernel") else "")
 
-    work = Path(tempfile.mkdtemp(prefix="ftctl-bench-"))
+    work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="ftctl-bench-"))
+    work.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("FTCTL_HOME", str(work / "home"))
     steps_total = args.warmup + args.steps
     data = work / "bench_alpaca.jsonl"
