@@ -514,6 +514,8 @@ def main() -> None:
         for name in order:
             kind, extra = ("matmul", {}) if name == "matmul" else contenders[name]
             results[name].append(spawn(kind, {**settings, **extra}, name))
+            if args.json:  # what has run so far survives a run stopped half-way
+                Path(args.json).write_text(json.dumps({"partial": True, "runs": results}, indent=2))
     report(results, chosen, args)
 
 

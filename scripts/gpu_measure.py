@@ -140,7 +140,7 @@ def main() -> None:
     print(json.dumps(RESULTS["env"]), flush=True)
     run("no_sync_test", [sys.executable, "-m", "pytest", "-q", "-x", str(ROOT / "tests" / "test_gpu_path.py"), "-k", "cuda"], 90)
     contenders = "ftctl-packed,ftctl-padded,trl,trl-packed" + (",trl-liger" if RESULTS["env"]["liger_kernel"] else "")
-    bench("lora_1b", "--contenders", contenders, timeout=240)
+    bench("lora_1b", "--contenders", contenders, "--steps", "8", "--warmup", "2", timeout=240)
     kernels = ["varlen", "flex", "sdpa"] + (["flash_varlen"] if RESULTS["env"]["flash_attn"] else [])
     for kernel in kernels:
         bench(f"kernel_{kernel}", "--contenders", "ftctl-packed", "--override", f"data.packed_attention={kernel}", *SHORT, timeout=90)
