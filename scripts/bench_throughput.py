@@ -425,7 +425,10 @@ def spawn(kind: str, settings: dict, label: str) -> dict:
     line = next((ln for ln in reversed(proc.stdout.splitlines()) if ln.startswith("RESULT ")), None)
     if proc.returncode or line is None:
         sys.stderr.write(proc.stdout[-3000:] + proc.stderr[-6000:])
-        raise SystemExit(f"{label} failed (exit {proc.returncode})")
+        if kind == "matmul" or not settings.get("keep_going"):
+            raise SystemExit(f"{label} failed (exit {proc.returncode})")
+        print(f"  {label:<14} FAILED (exit {proc.returncode}); left out of the table", flush=True)
+        return {"failed": proc.returncode, "stderr_tail": proc.stderr[-2000:]}
     result = json.loads(line[len("RESULT "):])
     print(f"  {label:<14} {_describe(result)}", flush=True)
     return result
@@ -498,6 +501,7 @@ def main() -> None:
         "steps": args.steps, "warmup": args.warmup, "lr": 2e-5 if args.method == "full" else 2e-4, "seed": 0,
         "lora_r": args.lora_r, "lora_alpha": 2 * args.lora_r, "lora_dropout": args.lora_dropout,
         "device": args.device, "precision": precision, "method": args.method, "extra_overrides": args.override,
+        "keep_going": gpu,  # one contender failing on a GPU (an optional kernel, say) must not void the others
     }
     chosen = [c.strip() for c in args.contenders.split(",")]
     unknown = [c for c in chosen if c not in CONTENDERS]
@@ -521,6 +525,9 @@ def main() -> None:
 
 def report(results: dict, chosen: list, args) -> None:
     peak = max(r["matmul_flops"] for r in results["matmul"])
+    for name in chosen:
+        results[name] = [r for r in results[name] if "failed" not in r]
+    chosen = [name for name in chosen if results[name]]
     best = {name: min(results[name], key=lambda r: r["seconds"] / r["trained_tokens"]) for name in chosen}
     dtype = results["matmul"][0].get("dtype", "fp32")
     print(f"\nbest of {args.rounds} round(s); {dtype} matmul peak {peak / 1e9:.1f} GFLOP/s\n")
