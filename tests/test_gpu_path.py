@@ -395,3 +395,44 @@ def test_qlora_keeps_no_more_for_backward_than_lora(make_cfg):
     e_lora, e_qlora = estimate("lora"), estimate("qlora")
     assert e_qlora.activations_bytes == e_lora.activations_bytes
     assert e_qlora.total_bytes < e_lora.total_bytes
+
+
+def test_full_bf16_keeps_a_compute_copy_of_every_linear_weight_and_the_estimate_counts_it(make_cfg):
+    """Under autocast, full fine-tuning casts each fp32 master weight to bf16 for its matmul and backward
+    keeps that copy: one bf16 copy of the decoder's linear weights per layer, which the estimate adds."""
+    import torch
+
+    from ftctl.estimate import estimate_for
+    from ftctl.methods import create_method
+    from ftctl.models.architecture import Architecture
+    from ftctl.models.loading import model_config_dict
+    from ftctl.precision import resolve_precision
+
+    cfg = make_cfg("method=full", "precision=bf16")
+    precision = resolve_precision(cfg.precision, torch.device("cpu"))
+    model = create_method(cfg).build_model(cfg.model.name_or_path, precision, torch.device("cpu")).train()
+    layers = [m for m in model.modules() if type(m).__name__ == "LlamaDecoderLayer"]
+    shapes = {tuple(p.shape) for name, p in layers[0].named_parameters() if p.ndim == 2}
+    saved = {}
+
+    def keep(t):
+        if t.dtype == torch.bfloat16 and tuple(t.shape) in shapes | {s[::-1] for s in shapes}:
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    batch = collate(_examples(), 0)
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t), precision.autocast():
+        model(**batch.model_inputs("cpu"))
+    arch = Architecture.from_config(model_config_dict(cfg.model.name_or_path))
+    layer_linear = sum(i * o for i, o, _ in arch.linear_shapes().values())
+    assert sum(saved.values()) == arch.layers * layer_linear * 2
+
+    # The estimate: what autograd keeps for the activations, plus exactly these copies.
+    from ftctl.estimate import activation_bytes
+
+    est = estimate_for(cfg)
+    tokens = cfg.train.micro_batch_size * cfg.data.max_seq_len
+    without_copies = activation_bytes(arch, cfg, set(), tokens, 4, 2)[0]
+    assert est.activations_without_checkpointing_bytes == round(without_copies + arch.layers * layer_linear * 2)
+    fp32 = estimate_for(make_cfg("method=full", "precision=fp32"))
+    assert fp32.activations_without_checkpointing_bytes == round(activation_bytes(arch, cfg, set(), tokens, 4, 4)[0])
