@@ -12,7 +12,7 @@ from typing import List
 
 import torch
 
-#: torch.compile's backend; tests swap in "aot_eager" (same tracing and autograd, no C++ code generation).
+#: torch.compile's backend; tests swap in "eager" (the same graph capture, no code generation).
 COMPILE_BACKEND = "inductor"
 
 
