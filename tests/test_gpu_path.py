@@ -436,3 +436,16 @@ def test_full_bf16_keeps_a_compute_copy_of_every_linear_weight_and_the_estimate_
     assert est.activations_without_checkpointing_bytes == round(without_copies + arch.layers * layer_linear * 2)
     fp32 = estimate_for(make_cfg("method=full", "precision=fp32"))
     assert fp32.activations_without_checkpointing_bytes == round(activation_bytes(arch, cfg, set(), tokens, 4, 4)[0])
+
+
+def test_a_kernel_the_machine_lacks_is_refused_before_the_model_loads(make_cfg, run_training, monkeypatch):
+    import torch
+
+    from ftctl.errors import ConfigError
+    from ftctl.training import runner
+
+    if torch.cuda.is_available():
+        pytest.skip("on a GPU flex is available")
+    monkeypatch.setattr(runner, "create_method", lambda cfg: pytest.fail("the model was built"))
+    with pytest.raises(ConfigError, match="data.packed_attention=flex needs CUDA"):
+        run_training(make_cfg(*COMMON, "data.packing=true", "data.packed_attention=flex"))

@@ -70,6 +70,8 @@ def _train(cfg: RunConfig, run_dir: Path, backend) -> TrainResult:
         torch.set_num_threads(t.num_threads)
     seed_everything(cfg.seed)
     precision = resolve_precision(cfg.precision, backend.device)
+    # Chosen before anything loads: a kernel this machine lacks is a message, not a wasted model load.
+    kernel = choose_packed_kernel(KernelCapabilities.probe(backend.device.type), cfg.data.packed_attention)
     method = create_method(cfg)
 
     model_path = resolve_model_path(cfg.model.name_or_path)
@@ -80,7 +82,6 @@ def _train(cfg: RunConfig, run_dir: Path, backend) -> TrainResult:
     model = method.build_model(model_path, precision, backend.build_device)
     use_fast_rms_norm(model)
     if cfg.data.packing:
-        kernel = choose_packed_kernel(KernelCapabilities.probe(backend.device.type), cfg.data.packed_attention)
         if use_packed_attention(model, kernel) and backend.is_main:
             log.info("packed attention: %s kernel on %s", kernel, backend.device.type)
     resume_from = resume_checkpoint(cfg, run_dir)
