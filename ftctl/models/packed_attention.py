@@ -26,6 +26,7 @@ Batches without boundaries (padded batches, generation) take the plain ``sdpa`` 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import inspect
@@ -227,8 +228,6 @@ def _per_example_sdpa(query, key, value, row_lengths, dropout, scaling):
 
 
 def _sdpa_without_cudnn(device_type: str):
-    import contextlib
-
     if device_type != "cuda":
         return contextlib.nullcontext()
     from torch.nn.attention import SDPBackend, sdpa_kernel
