@@ -6,7 +6,8 @@ in well under a second, for a 7B model as for a tiny one. The parts:
 * weights: every parameter in the dtype ftctl keeps it in. Trained weights are fp32 master
   copies; a frozen base of LoRA/DoRA sits in the compute dtype; QLoRA's base linear layers hold
   4-bit codes (half a byte per parameter) plus one quantisation constant per block of 64 (fp32,
-  or 8-bit with a small fp32 second level under double quantisation), the rest stays fp32.
+  or 8-bit with a small fp32 second level under double quantisation), the rest (embeddings,
+  norms, head) sits in the compute dtype like a LoRA base.
 * gradients: fp32, one per trained parameter. DDP adds its bucket copy of them.
 * optimizer states: AdamW's two fp32 moments per trained parameter (8-bit AdamW: two bytes);
   DeepSpeed also keeps an fp32 master copy of the partition it optimises (12 bytes in all).
@@ -158,8 +159,8 @@ def estimate_memory(cfg: RunConfig, model_config: dict, source: str = "config") 
         weight_bytes = {"trainable": 2 if ds_fp16 else 4}
     elif m.name == "qlora":
         constants = (1 / QUANT_BLOCK + 4 / (QUANT_BLOCK * DOUBLE_QUANT_BLOCK)) if m.double_quant else 4 / QUANT_BLOCK
-        # prepare_model_for_kbit_training keeps what is not quantised (embeddings, norms, head) in fp32.
-        weight_bytes = {"quantized": 0.5 + constants, "frozen": 4, "trainable": 4}
+        # What is not quantised (embeddings, norms, head) stays in the compute dtype (ftctl.methods.quantization).
+        weight_bytes = {"quantized": 0.5 + constants, "frozen": compute, "trainable": 4}
     else:
         weight_bytes = {"frozen": compute, "trainable": 4}
     weights_by_group = {g: params[g] * b for g, b in weight_bytes.items()}
@@ -194,10 +195,17 @@ def estimate_memory(cfg: RunConfig, model_config: dict, source: str = "config") 
     # Activations.
     tokens = t.micro_batch_size * cfg.data.max_seq_len
     # Matmul outputs come in the compute dtype. The residual stream has the weights' dtype: fp32 for
-    # full fine-tuning (master weights) and QLoRA (its unquantised layers are fp32), compute for LoRA/DoRA.
+    # full fine-tuning (master weights), compute for the frozen bases of LoRA, DoRA and QLoRA.
     matmul_dtype = compute
-    stream_dtype = 4 if m.name in ("full", "qlora") else compute
+    stream_dtype = 4 if m.name == "full" else compute
     full_act, ckpt_act, act_notes = activation_bytes(arch, cfg, adapted, tokens, stream_dtype, matmul_dtype)
+    if m.name == "full" and compute < 4 and not deepspeed:
+        # Under autocast every fp32 master weight of a linear layer is cast to the compute dtype for
+        # its matmul, and backward keeps that copy for the input's gradient: one copy of all decoder
+        # linear weights from forward to backward (one layer's with checkpointing, recomputed in turn).
+        layer_linear = sum(i * o for i, o, _ in arch.linear_shapes().values())
+        full_act += arch.layers * layer_linear * compute
+        ckpt_act += layer_linear * compute
     notes += act_notes
     activations = ckpt_act if t.gradient_checkpointing else full_act
 

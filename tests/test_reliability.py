@@ -249,7 +249,7 @@ def test_configs_cannot_instantiate_objects():
             compose_config(["recipe=tiny_lora", override])
 
 
-def test_remote_code_is_not_run_unless_allowed(tmp_path, tiny_model_dir):
+def test_remote_code_is_not_run_unless_allowed(tmp_path, tiny_model_dir, monkeypatch):
     from ftctl.config.schema import ModelConfig
     from ftctl.models.loading import load_causal_lm
 
@@ -263,6 +263,10 @@ def test_remote_code_is_not_run_unless_allowed(tmp_path, tiny_model_dir):
     model = load_causal_lm(ModelConfig(name_or_path=str(model_dir)), str(model_dir), dtype=torch.float32)
     assert type(model).__module__.startswith("transformers.")  # the built-in class, not the repo's code
     assert not marker.exists()
-    # Allowed, the repo's own code runs: its config class comes from evil.py.
+    # Allowed, the repo's own code runs. Loading it registers evil.py's class (here transformers' own
+    # LlamaConfig) for auto-loading; monkeypatch undoes that so later saves in this process stay plain.
+    from transformers import LlamaConfig
+
+    monkeypatch.setattr(LlamaConfig, "_auto_class", getattr(LlamaConfig, "_auto_class", None))
     allowed = load_causal_lm(ModelConfig(name_or_path=str(model_dir), trust_remote_code=True), str(model_dir), dtype=torch.float32)
     assert marker.exists() and type(allowed).__name__ == "LlamaForCausalLM"

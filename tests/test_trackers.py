@@ -152,6 +152,7 @@ def test_a_resumed_run_continues_its_mlflow_run(make_cfg, run_training, monkeypa
     first, _ = run_training(make_cfg("train.max_steps=4", "train.save_every=2", "precision=fp32", "train.report_to=[mlflow]"))
     run_id = json.loads((first.run_dir / "trackers.json").read_text())["mlflow"]
     shutil.rmtree(first.final_dir)  # as if it had stopped after its step-2 checkpoint
+    shutil.rmtree(first.run_dir / "checkpoints" / "step-4")
     run_training(make_cfg("train.max_steps=4", "train.save_every=2", "precision=fp32", "train.report_to=[mlflow]", "resume=auto"))
     assert json.loads((first.run_dir / "trackers.json").read_text())["mlflow"] == run_id
     client = mlflow_tracking.MlflowClient(tracking_uri=(first.run_dir / "mlruns").resolve().as_uri())

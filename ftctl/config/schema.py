@@ -97,6 +97,11 @@ class DataConfig:
         "Pack each micro-batch's examples into shared rows of up to max_seq_len tokens instead of padding "
         "them; attention stays inside each example, so the loss is unchanged and padding is removed.",
     )
+    packed_attention: str = option(
+        "auto",
+        "Kernel of packed attention: auto (CUDA: flash_varlen if flash-attn is installed, else torch's varlen, "
+        "else flex; CPU: sdpa), flash_varlen, varlen, flex or sdpa (causal SDPA per example).",
+    )
     shuffle: bool = option(True, "Shuffle examples every epoch (seeded).")
     cache_dir: Optional[str] = option(None, "Tokenized-data cache; default $FTCTL_HOME/data_cache.")
 
@@ -142,6 +147,9 @@ class TrainConfig:
         0, "Steps with a NaN/inf loss or gradient to skip before stopping; the update of such a step is never applied."
     )
     num_threads: int = option(0, "torch CPU threads per process; 0 = torch's default.")
+    compile: bool = option(
+        False, "torch.compile each decoder layer on its own (regional compilation); pays off only on long runs."
+    )
 
 
 @dataclass
@@ -167,4 +175,5 @@ LR_SCHEDULERS = ("cosine", "linear", "constant")
 #: Steps a run takes when neither train.max_steps nor train.epochs is set.
 DEFAULT_MAX_STEPS = 100
 TRACKERS = ("tensorboard", "wandb", "mlflow")
+PACKED_ATTENTION_KERNELS = ("auto", "flash_varlen", "varlen", "flex", "sdpa")
 ATTENTION_KERNELS = ("auto", "sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention")

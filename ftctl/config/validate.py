@@ -5,7 +5,9 @@ All of them run before torch is imported, so a mistake costs a message, not a mo
 
 from __future__ import annotations
 
-from ftctl.config.schema import ATTENTION_KERNELS, LR_SCHEDULERS, METHODS, PARALLEL_BACKENDS, PRECISIONS, TRACKERS, RunConfig
+from ftctl.config.schema import (
+    ATTENTION_KERNELS, LR_SCHEDULERS, METHODS, PACKED_ATTENTION_KERNELS, PARALLEL_BACKENDS, PRECISIONS, TRACKERS, RunConfig,
+)
 from ftctl.errors import ConfigError, did_you_mean
 
 
@@ -102,6 +104,7 @@ def validate(cfg: RunConfig) -> None:
     if d.eval_fraction > 0 and d.eval_path:
         raise ConfigError("set data.eval_path or data.eval_fraction, not both")
     _positive("data.pad_to_multiple_of", d.pad_to_multiple_of)
+    _choice("data.packed_attention", d.packed_attention, PACKED_ATTENTION_KERNELS)
 
     _positive("parallel.nproc_per_node", p.nproc_per_node)
     _positive("parallel.nnodes", p.nnodes)

@@ -13,8 +13,8 @@ labels, so the loss is the same; packing only removes padding.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence
+from dataclasses import dataclass, fields, replace
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -58,10 +58,19 @@ class MicroBatch:
     position_ids: Optional["torch.Tensor"] = None  # noqa: F821  restart at 0 at every packed example
     positions: int = 0  # rows × width: every position the model computes, padding included
     # Packed only: where each example (and each row's padded tail) starts and ends in the flattened
-    # rows, as varlen attention kernels take it (see ftctl.models.packed_attention).
+    # rows, as varlen attention kernels take it (see ftctl.models.packed_attention), and the same
+    # boundaries as host ints: each row's span lengths and the longest span. Computed here, once per
+    # micro-batch, so that no attention layer has to read the device tensor back.
     cu_seq_lens: Optional["torch.Tensor"] = None  # noqa: F821
+    row_lengths: Optional[Tuple[Tuple[int, ...], ...]] = None
+    longest_span: int = 0
+    # The flattened positions that carry a trained next-token label, and those labels: worked out
+    # here on the host, because selecting them on the device with a boolean mask reads its count back.
+    loss_positions: Optional["torch.Tensor"] = None  # noqa: F821
+    loss_targets: Optional["torch.Tensor"] = None  # noqa: F821
 
-    def model_inputs(self, device) -> Dict[str, "torch.Tensor"]:  # noqa: F821
+    def model_inputs(self, device, packed_kernel: Optional[str] = None) -> Dict[str, "torch.Tensor"]:  # noqa: F821
+        """The model's keyword inputs on ``device``; ``packed_kernel``: the packed attention the model runs, if any."""
         inputs = {"input_ids": self.input_ids.to(device, non_blocking=True)}
         if self.attention_mask is not None:
             inputs["attention_mask"] = self.attention_mask.to(device, non_blocking=True)
@@ -69,13 +78,33 @@ class MicroBatch:
             inputs["position_ids"] = self.position_ids.to(device, non_blocking=True)
         if self.cu_seq_lens is not None:
             cu = self.cu_seq_lens.to(device, non_blocking=True)
-            longest = int(self.cu_seq_lens.diff().max())
+            longest = self.longest_span or int(self.cu_seq_lens.diff().max())
             inputs.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest, max_length_k=longest)
+            if packed_kernel is not None:
+                from ftctl.models.packed_attention import skip_mask_inputs
+
+                inputs.update(skip_mask_inputs(device), packed_row_lengths=self.row_lengths)
         return inputs
+
+    def pinned(self) -> "MicroBatch":
+        """The same micro-batch in page-locked host memory, so copies to a GPU run asynchronously."""
+        tensors = {f.name: getattr(self, f.name) for f in fields(self)}
+        return replace(self, **{k: v.pin_memory() for k, v in tensors.items() if hasattr(v, "pin_memory")})
 
 
 def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
+
+
+def trained_positions(labels: np.ndarray):
+    """(flattened positions whose next token trains, those next tokens) as int64 tensors."""
+    import torch
+
+    targets = np.full_like(labels, IGNORE_INDEX)
+    targets[:, :-1] = labels[:, 1:]
+    flat = targets.reshape(-1)
+    positions = np.flatnonzero(flat != IGNORE_INDEX)
+    return torch.from_numpy(positions.astype(np.int64)), torch.from_numpy(flat[positions].copy())
 
 
 def collate(examples: Sequence, pad_token_id: int, pad_to_multiple_of: int = 8) -> MicroBatch:
@@ -92,7 +121,9 @@ def collate(examples: Sequence, pad_token_id: int, pad_to_multiple_of: int = 8) 
         mask[row, : len(x)] = 1
     # A label at position t is predicted from position t-1, so the first token never counts.
     trained = int((labels[:, 1:] != IGNORE_INDEX).sum())
-    return MicroBatch(ids, mask, labels, trained, int(mask.sum()), positions=ids.numel())
+    loss_positions, loss_targets = trained_positions(labels.numpy())
+    return MicroBatch(ids, mask, labels, trained, int(mask.sum()), positions=ids.numel(),
+                      loss_positions=loss_positions, loss_targets=loss_targets)
 
 
 def pack_rows(lengths: Sequence[int], row_len: int) -> List[List[int]]:
@@ -143,8 +174,9 @@ def pack_examples(examples: Sequence, row_len: int, pad_token_id: int, pad_to_mu
     labels = np.full((len(rows), width), IGNORE_INDEX, dtype=np.int64)
     positions = np.zeros((len(rows), width), dtype=np.int64)
     spans = []  # lengths of the examples and padded tails, in flattened order
+    row_lengths = []
     for r, row in enumerate(rows):
-        start = 0
+        start, first_span = 0, len(spans)
         for i in row:
             x, y = examples[i]
             end = start + len(x)
@@ -159,11 +191,14 @@ def pack_examples(examples: Sequence, row_len: int, pad_token_id: int, pad_to_mu
         positions[r, start:] = np.arange(width - start)
         if start < width:
             spans.append(width - start)
+        row_lengths.append(tuple(spans[first_span:]))
     trained = int((labels[:, 1:] != IGNORE_INDEX).sum())
+    loss_positions, loss_targets = trained_positions(labels)
     return MicroBatch(
         torch.from_numpy(ids), None, torch.from_numpy(labels), trained, sum(lengths),
         position_ids=torch.from_numpy(positions), positions=ids.size,
         cu_seq_lens=torch.from_numpy(np.concatenate([[0], np.cumsum(spans)]).astype(np.int32)),
+        row_lengths=tuple(row_lengths), longest_span=max(spans), loss_positions=loss_positions, loss_targets=loss_targets,
     )
 
 

@@ -74,14 +74,18 @@ def load_4bit(model_cfg, model_path: str, settings: QuantSettings, device: torch
 
 
 def prepare_for_kbit_training(model, gradient_checkpointing: bool):
-    """Freeze the base, keep its non-quantised weights in fp32, and checkpoint activations if asked."""
-    from peft import prepare_model_for_kbit_training
+    """Freeze the base and checkpoint activations if asked; the unquantised weights stay in the compute dtype.
 
-    return prepare_model_for_kbit_training(
-        model,
-        use_gradient_checkpointing=gradient_checkpointing,
-        gradient_checkpointing_kwargs={"use_reentrant": False},
-    )
+    peft's ``prepare_model_for_kbit_training`` also casts every unquantised weight (embeddings,
+    norms, the output head) to fp32. With an fp32 embedding the whole residual stream runs in fp32:
+    every layer then saves fp32 activations for backward, and autocast saves a bf16 copy of each
+    matmul input next to them, which made QLoRA hold more than LoRA at the same batch. Frozen
+    weights in the compute dtype are what LoRA trains against too (PrecisionPolicy.frozen_weight_dtype).
+    """
+    model.requires_grad_(False)
+    if gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
 
 
 def load_dequantized(model_cfg, model_path: str, settings: QuantSettings, dtype: torch.dtype = torch.float32):

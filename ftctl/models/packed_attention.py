@@ -5,42 +5,115 @@ block-diagonal mask over the whole row, but a masked SDPA computes every (query,
 row, and the fast kernels that skip the causal half only take ``is_causal`` without a mask. With
 examples a quarter of the row long, the masked kernel does about eight times the useful work.
 
-Packed micro-batches therefore also carry the example boundaries in the form flash-attention's
-varlen kernels take them (``cu_seq_lens_q``/``cu_seq_lens_k``: cumulative lengths over the
-flattened rows, as transformers' padding-free path passes them to every attention call). With
-``flash_attention_2`` those go to the varlen kernel as they are; with :data:`PACKED_SDPA`, which
-:func:`use_packed_attention` installs in place of ``sdpa``, each example runs through causal SDPA
-on its own slice. Batches without boundaries (padded batches, generation) take the plain ``sdpa``
-path, mask included.
+Packed micro-batches therefore carry the example boundaries, computed once on the host by the
+collator (:class:`ftctl.data.batching.PackedBoundaries`): cumulative lengths over the flattened
+rows as an int32 device tensor (``cu_seq_lens_q``/``cu_seq_lens_k``, as flash-attention's varlen
+kernels and transformers' padding-free path take them), the longest span as a Python int, and the
+span lengths of each row as Python ints. No layer reads a device tensor back: on a GPU every such
+read stalls the queue once per layer.
+
+:func:`use_packed_attention` installs one attention function in place of ``sdpa``; which kernel it
+runs is chosen once, by capability, in :func:`choose_packed_kernel`:
+
+- ``flash_varlen``: flash-attn's ``flash_attn_varlen_func`` (when flash-attn is installed, CUDA);
+- ``varlen``: torch's own ``torch.nn.attention.varlen.varlen_attn`` (torch 2.10+, CUDA);
+- ``flex``: FlexAttention with a document mask built once per micro-batch (CUDA; forward-only on CPU);
+- ``sdpa``: causal SDPA on each example's slice. On CUDA the cuDNN backend is excluded: it builds a
+  new plan for every new sequence length, milliseconds of CPU per call. This is the CPU path.
+
+Batches without boundaries (padded batches, generation) take the plain ``sdpa`` path, mask included.
 """
 
 from __future__ import annotations
 
-from typing import List, Optional, Tuple
+import contextlib
+import functools
+import importlib.util
+import inspect
+from dataclasses import dataclass
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
 
-PACKED_SDPA = "ftctl_packed_sdpa"
-_registered = False
+from ftctl.config.schema import PACKED_ATTENTION_KERNELS
+from ftctl.errors import ConfigError
+
+#: The packed kernels, fastest first; ``auto`` picks the first the machine has.
+PACKED_KERNELS = tuple(k for k in PACKED_ATTENTION_KERNELS if k != "auto")
+_PREFIX = "ftctl_packed_"
+PACKED_SDPA = _PREFIX + "sdpa"
+_registered = set()
 
 
-def register_packed_attention() -> None:
-    """Make :data:`PACKED_SDPA` a valid ``attn_implementation`` (idempotent)."""
-    global _registered
-    if _registered:
-        return
+@dataclass(frozen=True)
+class KernelCapabilities:
+    """What the machine offers for packed attention: the one input of :func:`choose_packed_kernel`."""
+
+    device_type: str
+    flash_attn: bool  # the flash-attn package imports
+    torch_varlen: bool  # torch.nn.attention.varlen.varlen_attn exists
+    flex: bool  # torch.nn.attention.flex_attention exists
+
+    @classmethod
+    def probe(cls, device_type: str) -> "KernelCapabilities":
+        return cls(
+            device_type,
+            flash_attn=importlib.util.find_spec("flash_attn") is not None,
+            torch_varlen=_torch_varlen() is not None,
+            flex=_has_module("torch.nn.attention.flex_attention"),
+        )
+
+    def available(self, kernel: str) -> bool:
+        """Whether ``kernel`` can train here (flex trains only on CUDA: it has no CPU backward)."""
+        on_cuda = self.device_type == "cuda"
+        return {"flash_varlen": on_cuda and self.flash_attn, "varlen": on_cuda and self.torch_varlen,
+                "flex": on_cuda and self.flex, "sdpa": True}.get(kernel, False)
+
+
+def _has_module(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ModuleNotFoundError:
+        return False
+
+
+def choose_packed_kernel(caps: KernelCapabilities, requested: str = "auto") -> str:
+    """The packed kernel to run: ``requested`` if it is not ``auto``, else the fastest the machine has.
+
+    The CPU keeps per-example SDPA: it is what the CPU measurements were made with, and the CPU has
+    no varlen kernel.
+    """
+    if requested != "auto":
+        if not caps.available(requested):
+            needs = {"flash_varlen": "CUDA and flash-attn", "varlen": "CUDA and torch>=2.10",
+                     "flex": "CUDA (FlexAttention has no CPU backward)"}.get(requested, "a known kernel")
+            raise ConfigError(f"data.packed_attention={requested} needs {needs}; use auto or sdpa")
+        return requested
+    return next(kernel for kernel in PACKED_KERNELS if caps.available(kernel))
+
+
+def implementation_name(kernel: str) -> str:
+    return _PREFIX + kernel
+
+
+def register_packed_attention(kernel: str = "sdpa") -> str:
+    """Make the packed ``attn_implementation`` of ``kernel`` valid (idempotent); returns its name."""
+    name = implementation_name(kernel)
+    if name in _registered:
+        return name
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-    AttentionInterface.register(PACKED_SDPA, packed_sdpa_attention_forward)
-    # Padded batches still need their padding mask; packed ones ignore the one built for them.
-    AttentionMaskInterface.register(PACKED_SDPA, sdpa_mask)
-    _registered = True
+    AttentionInterface.register(name, functools.partial(packed_attention_forward, kernel=kernel))
+    # Padded batches still need their padding mask; packed ones skip mask building (see skip_mask_inputs).
+    AttentionMaskInterface.register(name, sdpa_mask)
+    _registered.add(name)
+    return name
 
 
-def use_packed_attention(model: torch.nn.Module) -> bool:
-    """Switch a model loaded with ``sdpa`` attention to :data:`PACKED_SDPA`; returns whether it did.
+def use_packed_attention(model: torch.nn.Module, kernel: str = "sdpa") -> bool:
+    """Switch a model loaded with ``sdpa`` attention to the packed attention of ``kernel``; returns whether it did.
 
     Other implementations stay: flash-attention reads the same boundaries itself, and ``eager``
     (chosen to see attention weights) keeps the block-diagonal mask.
@@ -48,13 +121,40 @@ def use_packed_attention(model: torch.nn.Module) -> bool:
     config = getattr(model, "config", None)
     if config is None or getattr(config, "_attn_implementation", None) != "sdpa":
         return False
-    register_packed_attention()
-    config._attn_implementation = PACKED_SDPA
+    config._attn_implementation = register_packed_attention(kernel)
     return True
 
 
+def packed_kernel_of(module: torch.nn.Module) -> Optional[str]:
+    """The packed kernel ``module`` (plain, peft- or DDP-wrapped) runs, or None without packed attention."""
+    inner = module
+    for _ in range(4):  # DDP / DeepSpeed keep the model in `.module`; peft and FSDP2 answer for it directly
+        config = getattr(inner, "config", None)
+        name = getattr(config, "_attn_implementation", None)
+        if isinstance(name, str):
+            return name[len(_PREFIX):] if name.startswith(_PREFIX) else None
+        inner = getattr(inner, "module", None)
+        if inner is None:
+            return None
+    return None
+
+
+def skip_mask_inputs(device) -> dict:
+    """Model inputs that stop transformers from building a mask for a packed micro-batch.
+
+    Without an attention mask and with restarting positions, transformers looks for packed
+    sequences in ``position_ids`` and reads the result back to the host (a queue stall on a GPU)
+    to build a block-diagonal mask that packed attention never uses. A prepared 4-D mask is
+    passed through as it is; packed attention ignores it when boundaries are given.
+    """
+    return {"attention_mask": torch.ones((1, 1, 1, 1), dtype=torch.bool, device=device)}
+
+
 def example_spans(cu_seq_lens: torch.Tensor, rows: int, row_len: int) -> List[Tuple[int, int, int]]:
-    """(row, start, end) of every example from cumulative lengths over the flattened rows (padding included)."""
+    """(row, start, end) of every example from cumulative lengths over the flattened rows (padding included).
+
+    Reads the tensor on the host: for callers that pass boundaries without their row lengths.
+    """
     bounds = cu_seq_lens.tolist()
     if bounds[0] != 0 or bounds[-1] != rows * row_len:
         raise ValueError(f"cu_seq_lens {bounds} do not cover {rows} rows of {row_len} positions")
@@ -67,7 +167,14 @@ def example_spans(cu_seq_lens: torch.Tensor, rows: int, row_len: int) -> List[Tu
     return spans
 
 
-def packed_sdpa_attention_forward(
+def _row_lengths_from(cu_seq_lens: torch.Tensor, rows: int, row_len: int) -> List[List[int]]:
+    lengths: List[List[int]] = [[] for _ in range(rows)]
+    for row, start, end in example_spans(cu_seq_lens, rows, row_len):
+        lengths[row].append(end - start)
+    return lengths
+
+
+def packed_attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,
     key: torch.Tensor,
@@ -77,6 +184,9 @@ def packed_sdpa_attention_forward(
     scaling: Optional[float] = None,
     cu_seq_lens_q: Optional[torch.Tensor] = None,
     cu_seq_lens_k: Optional[torch.Tensor] = None,
+    max_length_q: Optional[int] = None,
+    packed_row_lengths: Optional[Sequence[Sequence[int]]] = None,
+    kernel: str = "sdpa",
     **kwargs,
 ):
     """``sdpa_attention_forward`` with per-example causal attention when boundaries are given.
@@ -87,20 +197,135 @@ def packed_sdpa_attention_forward(
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     if cu_seq_lens_q is None or query.shape[2] != key.shape[2] or not getattr(module, "is_causal", True):
+        if attention_mask is not None and attention_mask.shape[-1] != key.shape[2]:
+            attention_mask = None  # the placeholder of skip_mask_inputs: causal attention, no padding
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
-    if cu_seq_lens_k is not None and not torch.equal(cu_seq_lens_q, cu_seq_lens_k):
+    # Identity, not equality: comparing device tensors would read them back.
+    if cu_seq_lens_k is not None and cu_seq_lens_k is not cu_seq_lens_q:
         raise ValueError("packed attention needs the same example boundaries for queries and keys")
+    if kernel != "sdpa" and dropout == 0.0 and max_length_q is not None:
+        run = {"flash_varlen": _flash_varlen, "varlen": _torch_varlen_attention, "flex": _flex_attention}[kernel]
+        return run(query, key, value, cu_seq_lens_q, max_length_q, scaling), None
+    if packed_row_lengths is None:
+        packed_row_lengths = _row_lengths_from(cu_seq_lens_q, query.shape[0], query.shape[2])
+    return _per_example_sdpa(query, key, value, packed_row_lengths, dropout, scaling), None
+
+
+def _per_example_sdpa(query, key, value, row_lengths, dropout, scaling):
     gqa = query.shape[1] != key.shape[1]
-    lengths: List[List[int]] = [[] for _ in range(query.shape[0])]
-    for row, start, end in example_spans(cu_seq_lens_q, query.shape[0], query.shape[2]):
-        lengths[row].append(end - start)
     rows = []
-    # split() rather than one slice per example: its backward is one concatenation, where every
-    # slice's backward would write its gradient into a zeroed tensor the size of the whole input.
-    for q_row, k_row, v_row, row_lengths in zip(query.split(1), key.split(1), value.split(1), lengths):
-        parts = [
-            F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, scale=scaling, is_causal=True, enable_gqa=gqa)
-            for q, k, v in zip(q_row.split(row_lengths, 2), k_row.split(row_lengths, 2), v_row.split(row_lengths, 2))
-        ]
-        rows.append(torch.cat(parts, dim=2))
-    return torch.cat(rows, dim=0).transpose(1, 2).contiguous(), None
+    with _sdpa_without_cudnn(query.device.type):
+        # split() rather than one slice per example: its backward is one concatenation, where every
+        # slice's backward would write its gradient into a zeroed tensor the size of the whole input.
+        for q_row, k_row, v_row, lengths in zip(query.split(1), key.split(1), value.split(1), row_lengths):
+            lengths = list(lengths)
+            parts = [
+                F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, scale=scaling, is_causal=True, enable_gqa=gqa)
+                for q, k, v in zip(q_row.split(lengths, 2), k_row.split(lengths, 2), v_row.split(lengths, 2))
+            ]
+            rows.append(torch.cat(parts, dim=2))
+    return torch.cat(rows, dim=0).transpose(1, 2).contiguous()
+
+
+def _sdpa_without_cudnn(device_type: str):
+    if device_type != "cuda":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    """(batch, heads, length, dim) -> (batch·length, heads, dim): the varlen kernels' packed layout."""
+    return t.transpose(1, 2).reshape(-1, t.shape[1], t.shape[3])
+
+
+def _unflat(out: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    return out.reshape(like.shape[0], like.shape[2], like.shape[1], like.shape[3])
+
+
+def _flash_varlen(query, key, value, cu, longest, scaling):
+    from flash_attn import flash_attn_varlen_func
+
+    out = flash_attn_varlen_func(_flat(query), _flat(key), _flat(value), cu, cu, longest, longest,
+                                 dropout_p=0.0, softmax_scale=scaling, causal=True)
+    return _unflat(out, query)
+
+
+@functools.lru_cache(maxsize=1)
+def _torch_varlen():
+    """torch's varlen_attn with its causal and GQA arguments for this torch version, or None."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    params = inspect.signature(varlen_attn).parameters
+    # torch 2.10 takes is_causal; 2.11 replaced it with window_size, where (-1, 0) is causal.
+    causal = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
+    return varlen_attn, causal, "enable_gqa" in params
+
+
+def _torch_varlen_attention(query, key, value, cu, longest, scaling):
+    varlen_attn, causal, takes_gqa = _torch_varlen()
+    extra = dict(causal)
+    if query.shape[1] != key.shape[1]:
+        if takes_gqa:
+            extra["enable_gqa"] = True
+        else:
+            groups = query.shape[1] // key.shape[1]
+            key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    out = varlen_attn(_flat(query), _flat(key), _flat(value), cu, cu, longest, longest, scale=scaling, **extra)
+    return _unflat(out, query)
+
+
+class _DocumentMaskCache:
+    """The FlexAttention block mask of the current micro-batch, built by its first layer, reused by the rest.
+
+    Every layer of one forward receives the same ``cu_seq_lens`` tensor object, so identity tells a
+    new micro-batch from the same one without reading anything back.
+    """
+
+    boundaries: Optional[torch.Tensor] = None
+    block_mask = None
+
+    def get(self, cu: torch.Tensor, total: int):
+        if self.boundaries is not cu:
+            from torch.nn.attention.flex_attention import create_block_mask
+
+            positions = torch.arange(total, device=cu.device, dtype=cu.dtype)
+            document = torch.searchsorted(cu[1:], positions, right=True)
+
+            def same_document_causal(b, h, q_idx, kv_idx):
+                return (document[q_idx] == document[kv_idx]) & (q_idx >= kv_idx)
+
+            self.block_mask = create_block_mask(same_document_causal, 1, None, total, total, device=cu.device)
+            self.boundaries = cu
+        return self.block_mask
+
+
+_document_masks = _DocumentMaskCache()
+
+
+@functools.lru_cache(maxsize=2)
+def _flex_kernel(device_type: str):
+    from torch.nn.attention.flex_attention import flex_attention
+
+    # Compiled, flex generates a fused kernel; eager it materialises the whole score matrix (tests, CPU).
+    return torch.compile(flex_attention, dynamic=True) if device_type == "cuda" else flex_attention
+
+
+def _flex_attention(query, key, value, cu, longest, scaling):
+    batch, heads, length, dim = query.shape
+    total = batch * length
+    mask = _document_masks.get(cu, total)
+
+    def one_row(t):  # all rows as one sequence: the document mask keeps the examples apart
+        return t.transpose(0, 1).reshape(1, t.shape[1], total, t.shape[3])
+
+    out = _flex_kernel(query.device.type)(one_row(query), one_row(key), one_row(value), block_mask=mask, scale=scaling,
+                                          enable_gqa=query.shape[1] != key.shape[1])
+    return out.reshape(heads, batch, length, dim).permute(1, 2, 0, 3).contiguous()
+
+
+# The name earlier code and tests import; the sdpa kernel's function.
+packed_sdpa_attention_forward = functools.partial(packed_attention_forward, kernel="sdpa")

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from ftctl.data.render import IGNORE_INDEX
 from ftctl.models.architecture import HEAD_RETURNS_PLAIN_LOGITS
+from ftctl.models.packed_attention import packed_kernel_of
 
 #: Logits held at once per chunk (fp32): 8 Mi elements = 32 MiB, large enough for efficient matmuls.
 CHUNK_ELEMENTS = 1 << 23
@@ -36,18 +37,35 @@ def next_token_targets(labels: torch.Tensor) -> torch.Tensor:
 
 
 def token_loss_sum(module: torch.nn.Module, batch, device: torch.device) -> torch.Tensor:
-    """Sum of the cross-entropies of every trained token of ``batch`` (padded or packed)."""
-    inputs = batch.model_inputs(device)
-    targets = next_token_targets(batch.labels).to(device, non_blocking=True)
+    """Sum of the cross-entropies of every trained token of ``batch`` (padded or packed).
+
+    Nothing here reads a device tensor back: which positions train is worked out on the host, by the
+    collator, and only the answer is copied to the device.
+    """
+    inputs = batch.model_inputs(device, packed_kernel=packed_kernel_of(module))
     head = head_for_loss(module)
     if head is None:
         logits = module(**inputs, use_cache=False).logits
         return F.cross_entropy(
-            logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum"
+            logits.float().reshape(-1, logits.size(-1)), _to_device(next_token_targets(batch.labels), device).reshape(-1),
+            ignore_index=IGNORE_INDEX, reduction="sum",
         )
-    with _head_computes_loss(head, targets):
+    positions, trained_targets = batch.loss_positions, batch.loss_targets
+    if positions is None:  # a batch not built by ftctl.data.batching
+        flat = next_token_targets(batch.labels).reshape(-1)
+        positions = (flat != IGNORE_INDEX).nonzero().squeeze(1)
+        trained_targets = flat[positions]
+    with _head_computes_loss(head, _to_device(positions, device), _to_device(trained_targets, device)):
         # The head returned the loss in place of the logits.
         return module(**inputs, use_cache=False).logits
+
+
+def _to_device(host: torch.Tensor, device) -> torch.Tensor:
+    """An asynchronous copy to a GPU (from page-locked memory); the tensor itself elsewhere."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return host.to(device)
+    return (host if host.is_pinned() else host.pin_memory()).to(device, non_blocking=True)
 
 
 def head_for_loss(module: torch.nn.Module) -> Optional[torch.nn.Linear]:
@@ -113,11 +131,12 @@ def returns_head_output(model: torch.nn.Module) -> bool:
 
 
 @contextlib.contextmanager
-def _head_computes_loss(head: torch.nn.Linear, targets: torch.Tensor):
-    """For one forward call, ``head(hidden)`` returns the summed token loss of ``hidden`` against ``targets``."""
+def _head_computes_loss(head: torch.nn.Linear, positions: torch.Tensor, targets: torch.Tensor):
+    """For one forward call, ``head(hidden)`` returns the summed token loss of ``hidden``'s flattened
+    ``positions`` against ``targets``."""
 
     def loss_forward(hidden: torch.Tensor) -> torch.Tensor:
-        return linear_cross_entropy_sum(hidden, head.weight, head.bias, targets)
+        return linear_cross_entropy_at(hidden, head.weight, head.bias, positions, targets)
 
     previous = head.__dict__.get("forward")
     head.forward = loss_forward
@@ -132,11 +151,20 @@ def _head_computes_loss(head: torch.nn.Linear, targets: torch.Tensor):
 
 def linear_cross_entropy_sum(hidden, weight, bias, targets) -> torch.Tensor:
     """``cross_entropy(hidden @ weight.T + bias, targets, reduction="sum")`` over the non-ignored targets only."""
-    keep = targets != IGNORE_INDEX
-    selected = hidden[keep]
-    if selected.shape[0] == 0:
+    flat = targets.reshape(-1)
+    positions = (flat != IGNORE_INDEX).nonzero().squeeze(1)
+    return linear_cross_entropy_at(hidden, weight, bias, positions, flat[positions])
+
+
+def linear_cross_entropy_at(hidden, weight, bias, positions, targets) -> torch.Tensor:
+    """Summed cross-entropy of ``hidden``'s flattened ``positions`` (index tensor) against ``targets``.
+
+    An index, unlike a boolean mask, has a size the host already knows: selecting by it reads nothing back.
+    """
+    if positions.numel() == 0:
         return hidden.sum() * 0.0  # keeps the graph connected for a micro-batch with nothing to train
-    return LinearCrossEntropy.apply(selected, weight, bias, targets[keep], torch.is_grad_enabled())
+    selected = hidden.reshape(-1, hidden.shape[-1]).index_select(0, positions)
+    return LinearCrossEntropy.apply(selected, weight, bias, targets, torch.is_grad_enabled())
 
 
 class LinearCrossEntropy(torch.autograd.Function):

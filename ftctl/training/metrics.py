@@ -36,7 +36,9 @@ class MetricsLogger:
         for tracker in self._trackers:
             tracker.log(step, values)
         if self._bar is not None and "loss" in record:
-            self._bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record.get('tokens_per_s', 0):.0f}", refresh=False)
+            memory = record.get("mem_peak_alloc_gib", record.get("mem_peak_rss_gib"))
+            extra = {"mem": f"{memory:.1f}G"} if isinstance(memory, (int, float)) else {}
+            self._bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record.get('tokens_per_s', 0):.0f}", **extra, refresh=False)
         if "eval_loss" in record:
             log.info("step %d: eval_loss %.4f", step, record["eval_loss"])
 
@@ -63,10 +65,11 @@ class LogWindow:
     """The steps since the last metrics line: their loss and token counts (summed over ranks), as the
     line reports them: the window's mean token loss, rates and waste shares."""
 
-    def __init__(self):
+    def __init__(self, device=None):
         import torch
 
         self._torch = torch
+        self.device = device
         self._reset()
 
     def _reset(self):
@@ -94,9 +97,28 @@ class LogWindow:
             "padding_waste": 1.0 - real / positions,
             "non_trained_share": 1.0 - trained / positions,
             "trained_tokens": int(trained),
+            **memory_peaks(self.device),
         }
         self._reset()
         return out
+
+
+def memory_peaks(device) -> dict:
+    """Peak memory since the last call, in GiB: allocated and reserved on a GPU (then reset), the process's RSS on a CPU.
+
+    The allocator's reserve is what the device must actually hold; the RSS is the process's peak
+    since it started (the kernel keeps no resettable peak).
+    """
+    import resource
+
+    import torch
+
+    if device is not None and torch.device(device).type == "cuda":
+        out = {"mem_peak_alloc_gib": torch.cuda.max_memory_allocated(device) / 2**30,
+               "mem_peak_reserved_gib": torch.cuda.max_memory_reserved(device) / 2**30}
+        torch.cuda.reset_peak_memory_stats(device)
+        return out
+    return {"mem_peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
 
 
 def _plain(value):

@@ -22,10 +22,12 @@ from ftctl.config.validate import gradient_accumulation_steps
 from ftctl.data.batching import Batching, StepSampler
 from ftctl.data.dataset import build_datasets
 from ftctl.errors import FtctlError
+from ftctl.data.prefetch import StepBatches
 from ftctl.methods import create_method
 from ftctl.models.fast_rms_norm import use_fast_rms_norm
 from ftctl.models.loading import load_tokenizer, resolve_model_path
-from ftctl.models.packed_attention import use_packed_attention
+from ftctl.models.compile import compile_decoder_layers
+from ftctl.models.packed_attention import KernelCapabilities, choose_packed_kernel, use_packed_attention
 from ftctl.parallel import create_backend
 from ftctl.precision import resolve_precision
 from ftctl.training.checkpoint import save_checkpoint
@@ -75,6 +77,8 @@ def _train(cfg: RunConfig, run_dir: Path, backend) -> TrainResult:
         torch.set_num_threads(t.num_threads)
     seed_everything(cfg.seed)
     precision = resolve_precision(cfg.precision, backend.device)
+    # Chosen before anything loads: a kernel this machine lacks is a message, not a wasted model load.
+    kernel = choose_packed_kernel(KernelCapabilities.probe(backend.device.type), cfg.data.packed_attention)
     method = create_method(cfg)
 
     model_path = resolve_model_path(cfg.model.name_or_path)
@@ -89,13 +93,18 @@ def _train(cfg: RunConfig, run_dir: Path, backend) -> TrainResult:
     use_fast_rms_norm(model)
     returns_head_output(model)  # probed now, before any wrapper: decides the fused head loss (ftctl.training.loss)
     if cfg.data.packing:
-        use_packed_attention(model)
+        if use_packed_attention(model, kernel) and backend.is_main:
+            log.info("packed attention: %s kernel on %s", kernel, backend.device.type)
         check_packing(model, tokenizer.pad_token_id, precision.compute_dtype)
     resume_from = resume_checkpoint(cfg, run_dir)
     if resume_from is not None:
         method.load_checkpoint_weights(model, resume_from)
     if t.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if t.compile:
+        compiled = compile_decoder_layers(model)
+        if backend.is_main:
+            log.info("train.compile: %d decoder layers compiled one by one", compiled)
     counts = method.count_parameters(model)
     engine = backend.prepare(model, lambda m: build_optimizer(m, cfg, backend.device), precision)
     start_step = restore_training_state(resume_from, engine, backend) if resume_from is not None else 0
@@ -114,7 +123,7 @@ def _train(cfg: RunConfig, run_dir: Path, backend) -> TrainResult:
     make_batches = Batching.from_config(cfg, tokenizer.pad_token_id)
     metrics = MetricsLogger(run_dir, steps, start_step, enabled=backend.is_main, trackers=requested_trackers(t),
                             params=flatten_keys(asdict(cfg)), progress_bar=t.progress_bar)
-    window = LogWindow()
+    window = LogWindow(backend.device)
     nonfinite = NonFiniteGuard(t.max_nonfinite_steps, precision.needs_scaler)
     outcome, eval_loss = None, None
 
@@ -124,13 +133,17 @@ def _train(cfg: RunConfig, run_dir: Path, backend) -> TrainResult:
 
     if backend.is_main:  # only now: a run that fails while loading leaves no run dir to announce
         announce_run_dir(run_dir)
+
+    def step_batches(step: int):
+        return make_batches(train_data, sampler.rank_share(step, backend.rank, backend.world_size))
+
     engine.module.train()
-    with StopRequest() as stop:
+    upcoming = StepBatches(step_batches, range(start_step, steps), pin_memory=backend.device.type == "cuda")
+    with StopRequest() as stop, upcoming:
         try:
-            for step in range(start_step, steps):
+            for step, batches in upcoming:
                 lr = learning_rate(step, t, steps)
                 engine.set_lr(lr)
-                batches = make_batches(train_data, sampler.rank_share(step, backend.rank, backend.world_size))
                 outcome = train_step(engine, batches, backend, precision, t.max_grad_norm)
                 nonfinite.check(step + 1, outcome, keep_last_good=lambda: checkpoint(step) if step > 0 else None)
                 window.add(batches, outcome.loss, outcome.global_tokens, backend)
@@ -165,20 +178,26 @@ def _train(cfg: RunConfig, run_dir: Path, backend) -> TrainResult:
 
 
 def train_step(engine, batches, backend, precision, max_grad_norm: float) -> StepOutcome:
-    """One optimizer step over this rank's micro-batches; the loss is the global batch's mean token loss."""
+    """One optimizer step over this rank's micro-batches; the loss is the global batch's mean token loss.
+
+    Nothing in the micro-batch loop reads a device value back (on a GPU each read stalls the queue):
+    the token counts are host numbers, and the loss sums up on the device until the step's end.
+    """
     # Normalise by the trained tokens of the whole global batch, so the update does not depend on
     # how the batch is split over micro-batches and ranks.
-    global_tokens = backend.all_reduce_sum(torch.tensor(float(sum(b.trained_tokens for b in batches))))
-    loss_sum = torch.zeros((), dtype=torch.float64)
+    global_tokens = float(backend.all_reduce_sum(torch.tensor(float(sum(b.trained_tokens for b in batches)))))
+    # Data-parallel backends average gradients over ranks; the world size undoes that.
+    scale = backend.world_size / global_tokens if global_tokens else float("nan")
+    loss_sum = None
     for i, batch in enumerate(batches):
         with engine.accumulating(last_micro_batch=i == len(batches) - 1):
             with precision.autocast():
                 micro_loss = token_loss_sum(engine.module, batch, backend.device)
-            # Data-parallel backends average gradients over ranks; the world size undoes that.
-            engine.backward(micro_loss * backend.world_size / global_tokens.to(micro_loss.device))
-        loss_sum += micro_loss.detach().double().cpu()
+            engine.backward(micro_loss * scale)
+        detached = micro_loss.detach().double()
+        loss_sum = detached if loss_sum is None else loss_sum + detached
     result = engine.step(max_grad_norm)
-    loss = float(backend.all_reduce_sum(loss_sum) / global_tokens)
+    loss = float(backend.all_reduce_sum(loss_sum)) / global_tokens if global_tokens else float("nan")
     return StepOutcome(loss, result.grad_norm, result.skipped, int(global_tokens))
 
 
@@ -187,11 +206,13 @@ def evaluate(engine, eval_data, make_batches, backend, precision) -> float:
     """Mean token loss over the whole eval split; ranks take interleaved examples and sum."""
     engine.module.eval()
     indices = list(range(backend.rank, len(eval_data), backend.world_size))
-    total, tokens = torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.float64)
+    total = torch.zeros((), dtype=torch.float64, device=backend.device)  # summed on the device: no read per batch
+    tokens = torch.zeros((), dtype=torch.float64)
     for batch in make_batches(eval_data, indices):
         with precision.autocast():
-            total += token_loss_sum(engine.module, batch, backend.device).double().cpu()
+            total += token_loss_sum(engine.module, batch, backend.device).double()
         tokens += batch.trained_tokens
+    total = total.cpu()
     engine.module.train()
     return float(backend.all_reduce_sum(total) / backend.all_reduce_sum(tokens).clamp(min=1))
 
