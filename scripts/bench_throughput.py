@@ -121,15 +121,17 @@ def peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def matmul_peak(seconds_per_shape: float) -> float:
-    """Best fp32 FLOP/s of torch.mm over a square shape and the two MLP shapes of a 576-wide model."""
+def matmul_peak(seconds_per_shape: float, precision: str = "fp32") -> float:
+    """Best FLOP/s of torch.mm (fp32, or bf16 on CPUs that compute it) over a square shape and the two MLP
+    shapes of a 576-wide model."""
     import torch
 
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[precision]
     torch.manual_seed(0)
     best = 0.0
     for m, k, n in ((2048, 2048, 2048), (4096, 576, 1536), (4096, 1536, 576)):
-        a, b = torch.randn(m, k), torch.randn(k, n)
-        out = torch.empty(m, n)
+        a, b = torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
+        out = torch.empty(m, n, dtype=dtype)
         for _ in range(3):
             torch.mm(a, b, out=out)
         reps, start = 0, time.perf_counter()
@@ -170,7 +172,8 @@ def worker_matmul(settings: dict) -> dict:
 
     if on_gpu(settings):
         return {"matmul_flops": gpu_bf16_peak(2.0), "threads": torch.get_num_threads(), "dtype": "bf16"}
-    return {"matmul_flops": matmul_peak(2.0), "threads": torch.get_num_threads()}
+    precision = settings.get("precision", "fp32")
+    return {"matmul_flops": matmul_peak(2.0, precision), "threads": torch.get_num_threads(), "dtype": precision}
 
 
 def bracketed_by_peaks(train, settings: dict = None):
@@ -181,7 +184,8 @@ def bracketed_by_peaks(train, settings: dict = None):
     GPU the peak is bf16 and the run also reports its peak GPU memory.
     """
     gpu = on_gpu(settings or {})
-    measure = gpu_bf16_peak if gpu else matmul_peak
+    cpu_precision = (settings or {}).get("precision", "fp32")
+    measure = gpu_bf16_peak if gpu else (lambda seconds: matmul_peak(seconds, cpu_precision))
     before = measure(1.0 if not gpu else 0.5)
     if gpu:
         import torch
@@ -286,7 +290,7 @@ def _packed_kernel(cfg) -> str:
 
 def worker_trl(s: dict) -> dict:
     """TRL's SFTTrainer on the same tokenized examples: padded, or packed (padding-free) with ``packing``,
-    with Liger's kernels with ``liger``; fp32 on the CPU, bf16 on a GPU."""
+    with Liger's kernels with ``liger``; bf16 on a GPU, the bench's precision on the CPU."""
     import torch
     from datasets import Dataset
     from peft import LoraConfig
@@ -328,7 +332,7 @@ def worker_trl(s: dict) -> dict:
         output_dir=str(Path(s["work"]) / f"trl-{os.getpid()}"), per_device_train_batch_size=s["micro"],
         gradient_accumulation_steps=accumulation, max_steps=s["warmup"] + s["steps"], learning_rate=s["lr"],
         lr_scheduler_type="cosine", warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0, optim="adamw_torch",
-        max_length=s["seq_len"], packing=bool(s.get("packing")), gradient_checkpointing=False, bf16=gpu, fp16=False,
+        max_length=s["seq_len"], packing=bool(s.get("packing")), gradient_checkpointing=False, bf16=gpu or s.get("precision") == "bf16", fp16=False,
         use_cpu=not gpu, report_to="none", save_strategy="no", logging_steps=10**6, disable_tqdm=True,
         dataloader_num_workers=0, seed=s["seed"], data_seed=s["seed"],
         **({"use_liger_kernel": True} if s.get("liger") else {}),
@@ -451,6 +455,8 @@ def main() -> None:
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: bf16 on the GPU, with GPU defaults below")
     p.add_argument("--model", help="alias, dir, a shape in recipes/model_configs (llama-3.2-1b, llama-3.1-8b), or 'tiny' "
                                    "(default: smollm2-135m-instruct on cpu, llama-3.2-1b on cuda)")
+    p.add_argument("--precision", choices=("fp32", "bf16"), help="compute precision on the CPU (default fp32; bf16 "
+                   "for CPUs with avx512_bf16/AMX); always bf16 on cuda")
     p.add_argument("--method", choices=("lora", "full", "qlora"), default="lora", help="ftctl's method (TRL runs LoRA)")
     p.add_argument("--steps", type=int, help="measured optimizer steps per run (default 6 cpu, 12 cuda)")
     p.add_argument("--warmup", type=int, help="unmeasured steps first (default 1 cpu, 3 cuda)")
@@ -494,7 +500,7 @@ def main() -> None:
     data = work / "bench_alpaca.jsonl"
     write_dataset(data, args.examples or (600 if gpu else steps_total * args.global_batch), seed=0,
                   profile="gpu" if gpu else "cpu")
-    precision = "bf16" if gpu else "fp32"
+    precision = "bf16" if gpu else (args.precision or "fp32")
     settings = {
         "model_dir": resolve_model(args.model, work, args.device), "data": str(data), "cache_dir": str(work / "cache"),
         "work": str(work), "seq_len": args.seq_len, "micro": args.micro, "global": args.global_batch,
@@ -531,7 +537,7 @@ def report(results: dict, chosen: list, args) -> None:
     best = {name: min(results[name], key=lambda r: r["seconds"] / r["trained_tokens"]) for name in chosen}
     dtype = results["matmul"][0].get("dtype", "fp32")
     print(f"\nbest of {args.rounds} round(s); {dtype} matmul peak {peak / 1e9:.1f} GFLOP/s\n")
-    if dtype == "bf16":
+    if args.device == "cuda":
         report_gpu(best, chosen, peak)
         if args.json:
             Path(args.json).write_text(json.dumps({"matmul_peak_flops": peak, "runs": results}, indent=2))

@@ -17,13 +17,13 @@ def test_every_recipe_composes_and_validates(recipe, tmp_path, capsys):
     from ftctl.cli import main
     from ftctl.estimate import estimate_for
 
-    cfg = compose_config([f"recipe={recipe}"])
+    cfg = compose_config([f"recipe={recipe}", "precision=bf16"])  # a plan for a GPU, whatever this machine is
     assert cfg.model.name_or_path
     assert cfg.train.global_batch_size % cfg.train.micro_batch_size == 0
     estimate = estimate_for(cfg)
     assert estimate.parameters > estimate.trainable_parameters > 0 or cfg.method.name == "full"
     assert estimate.total_bytes > estimate.weights_bytes > 0
-    assert main(["train", f"recipe={recipe}", f"output_dir={tmp_path / 'run'}", "--dry-run"]) == 0
+    assert main(["train", f"recipe={recipe}", "precision=bf16", f"output_dir={tmp_path / 'run'}", "--dry-run"]) == 0
     out = capsys.readouterr().out
     assert "plan (dry run" in out and "memory per rank" in out
     assert not (tmp_path / "run").exists()

@@ -217,51 +217,18 @@ def test_estimate_agrees_with_measured_training_memory(tmp_path):
 def test_layer_activations_are_what_autograd_keeps(make_cfg, method):
     """Per decoder layer, the estimate's count is exactly the bytes autograd saves (distinct storages, no
     parameters), in the runner's own model setup: packed batch, fused norms and LoRA, per-example sdpa."""
-    import torch
-
-    from ftctl.data.batching import pack_examples
     from ftctl.estimate import _adapted_linears, layer_activation_elements
-    from ftctl.methods import create_method
     from ftctl.models.architecture import Architecture
-    from ftctl.models.fast_rms_norm import use_fast_rms_norm
     from ftctl.models.loading import model_config_dict
-    from ftctl.models.packed_attention import use_packed_attention
-    from ftctl.precision import resolve_precision
+    from saved_tensors import saved_by_decoder_layer
 
     cfg = make_cfg(*method.split(), "method.r=4", "precision=fp32", "data.packing=true")
     path = cfg.model.name_or_path
-    model = create_method(cfg).build_model(path, resolve_precision(cfg.precision, torch.device("cpu")), torch.device("cpu"))
-    use_fast_rms_norm(model)
-    assert use_packed_attention(model)
-    model.train()
-    batch = pack_examples([(list(range(1, n + 1)), list(range(1, n + 1))) for n in (40, 24, 60, 4)], 64, 0)
-    tokens = batch.input_ids.numel()
-
-    parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    layers = [m for m in model.modules() if type(m).__name__ == "LlamaDecoderLayer"]
-    saved = {i: [] for i in range(len(layers))}
-    inputs = {i: set() for i in range(len(layers))}
-
-    def watch(i, layer):
-        hooks = torch.autograd.graph.saved_tensors_hooks(lambda t: saved[i].append(t) or t, lambda t: t)
-
-        def enter(module, args, kwargs):
-            flat = list(args) + list(kwargs.values()) + list(kwargs.get("position_embeddings") or ())
-            inputs[i].update(t.untyped_storage().data_ptr() for t in flat if isinstance(t, torch.Tensor))
-            hooks.__enter__()
-
-        layer.register_forward_pre_hook(enter, with_kwargs=True)
-        layer.register_forward_hook(lambda *_: hooks.__exit__(None, None, None))
-
-    for i, layer in enumerate(layers):
-        watch(i, layer)
-    model(**batch.model_inputs("cpu"))
-
+    saved = saved_by_decoder_layer(cfg)
+    tokens = saved.tokens
     arch = Architecture.from_config(model_config_dict(path))
     adapted = _adapted_linears(cfg.method.target_modules)[0] if cfg.method.name != "full" else set()
-    for i in range(len(layers)):
-        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in saved[i]}
-        measured = sum(n for ptr, n in storages.items() if ptr not in parameters and ptr not in inputs[i])
+    for i, measured in enumerate(saved.bytes_per_layer()):
         stream, matmul, masks = layer_activation_elements(
             arch, cfg.method.name, adapted, cfg.method.dropout, cfg.method.r, False,
             grad_reaches_input=cfg.method.name == "full" or i > 0, dropout_bits=True)

@@ -5,7 +5,6 @@ regional compilation. The test marked for CUDA runs the loop under torch's sync 
 
 from __future__ import annotations
 
-import contextlib
 
 import numpy as np
 import pytest
@@ -202,10 +201,11 @@ def test_packed_attention_reads_no_boundary_back(tiny_model_dir, monkeypatch):
     from transformers import AutoModelForCausalLM
 
     from ftctl.models import packed_attention
-    from ftctl.training.loss import token_loss_sum
+    from ftctl.training.loss import returns_head_output, token_loss_sum
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32, attn_implementation="sdpa")
     assert packed_attention.use_packed_attention(model, "sdpa")
+    returns_head_output(model)  # the runner's one-off probe before training, not part of a step
     calls = []
     monkeypatch.setattr(packed_attention, "example_spans", lambda *a: calls.append(a) or [])
     watch = HostReads()
@@ -328,48 +328,13 @@ def test_cuda_micro_batch_loop_never_syncs(make_cfg, run_training, monkeypatch):
 
 
 def _saved_bytes_per_layer(make_cfg, method: str):
-    """Bytes autograd keeps per decoder layer (distinct storages, neither parameters nor the layer's inputs), bf16 autocast."""
-    import torch
+    """Bytes autograd keeps per decoder layer under bf16 autocast, with their dtypes; and the frozen weights' dtypes."""
+    from saved_tensors import saved_by_decoder_layer
 
-    from ftctl.methods import create_method
-    from ftctl.models.fast_rms_norm import use_fast_rms_norm
-    from ftctl.models.packed_attention import use_packed_attention
-    from ftctl.precision import resolve_precision
-
-    cfg = make_cfg(f"method={method}", "method.r=4", "method.dropout=0.0", "precision=bf16", "data.packing=true")
-    precision = resolve_precision(cfg.precision, torch.device("cpu"))
-    model = create_method(cfg).build_model(cfg.model.name_or_path, precision, torch.device("cpu"))
-    use_fast_rms_norm(model)
-    assert use_packed_attention(model)
-    model.train()
-    batch = pack_examples([(list(range(1, n + 1)), list(range(1, n + 1))) for n in (40, 24, 60, 4)], 64, 0)
-    parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    layers = [m for m in model.modules() if type(m).__name__ == "LlamaDecoderLayer"]
-    saved = {i: [] for i in range(len(layers))}
-    inputs = {i: set() for i in range(len(layers))}
-
-    def watch(i, layer):
-        hooks = torch.autograd.graph.saved_tensors_hooks(lambda t: saved[i].append(t) or t, lambda t: t)
-
-        def enter(module, args, kwargs):
-            flat = list(args) + list(kwargs.values()) + list(kwargs.get("position_embeddings") or ())
-            inputs[i].update(t.untyped_storage().data_ptr() for t in flat if isinstance(t, torch.Tensor))
-            hooks.__enter__()
-
-        layer.register_forward_pre_hook(enter, with_kwargs=True)
-        layer.register_forward_hook(lambda *_: hooks.__exit__(None, None, None))
-
-    for i, layer in enumerate(layers):
-        watch(i, layer)
-    with precision.autocast():
-        model(**batch.model_inputs("cpu", packed_kernel="sdpa"))
-    out = []
-    for i in range(len(layers)):
-        storages = {t.untyped_storage().data_ptr(): (t.untyped_storage().nbytes(), t.dtype) for t in saved[i]}
-        kept = {ptr: v for ptr, v in storages.items() if ptr not in parameters and ptr not in inputs[i]}
-        out.append((sum(n for n, _ in kept.values()), {dtype for _, dtype in kept.values()}))
-    frozen = {p.dtype for p in model.parameters() if not p.requires_grad and p.dtype.is_floating_point}
-    return out, frozen
+    saved = saved_by_decoder_layer(make_cfg(f"method={method}", "method.r=4", "method.dropout=0.0", "precision=bf16",
+                                            "data.packing=true"))
+    frozen = {p.dtype for p in saved.model.parameters() if not p.requires_grad and p.dtype.is_floating_point}
+    return list(zip(saved.bytes_per_layer(), saved.dtypes_per_layer())), frozen
 
 
 def test_qlora_keeps_no_more_for_backward_than_lora(make_cfg):
