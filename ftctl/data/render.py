@@ -47,9 +47,12 @@ class TokenizedExample:
 
 
 def ensure_chat_template(tokenizer, override: Optional[str] = None) -> str:
-    """Install the template the run uses on the tokenizer (it is saved with the result) and return it."""
+    """Install the template the run uses on the tokenizer (it is saved with the result) and return it.
+    ``override`` is a data.chat_template value: a template's name, Jinja text or a .jinja file."""
     if override:
-        tokenizer.chat_template = override
+        from ftctl.data.chat_templates import resolve_chat_template
+
+        tokenizer.chat_template = resolve_chat_template(override)
     elif not getattr(tokenizer, "chat_template", None):
         tokenizer.chat_template = FALLBACK_CHAT_TEMPLATE
     return tokenizer.chat_template
@@ -128,3 +131,15 @@ def tokenize_conversation(
         labels.append(eos)
     truncated = len(input_ids) > max_seq_len
     return TokenizedExample(input_ids[:max_seq_len], labels[:max_seq_len], truncated)
+
+
+def tokenize_text(text: str, tokenizer, max_seq_len: int) -> List[TokenizedExample]:
+    """A document for continued pretraining: every token trained, EOS appended, split into examples of at most
+    ``max_seq_len`` tokens, so nothing of a long document is cut off."""
+    ids = list(tokenizer(text, add_special_tokens=True)["input_ids"])
+    if tokenizer.eos_token_id is not None and (not ids or ids[-1] != tokenizer.eos_token_id):
+        ids.append(tokenizer.eos_token_id)
+    pieces = [ids[start : start + max_seq_len] for start in range(0, len(ids), max_seq_len)]
+    # A last piece of one token trains nothing (the first token of an example is never a target).
+    pieces = [piece for piece in pieces if len(piece) > 1]
+    return [TokenizedExample(piece, list(piece), False) for piece in pieces]

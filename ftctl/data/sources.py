@@ -1,0 +1,228 @@
+"""Where training records come from: a file, a directory of files, a saved dataset, or a hub dataset.
+
+``data.path`` (and each ``data.mixture`` entry's path) is resolved here, in this order: an existing
+file; an existing directory, which is a ``datasets.save_to_disk`` directory when it holds
+``state.json`` (a Dataset) or ``dataset_dict.json`` (a DatasetDict, split by ``data.split``), and
+otherwise every .json/.jsonl/.parquet file directly in it, in name order; else ``hf://org/name`` or
+``org/name`` is a Hugging Face dataset, loaded through ``datasets`` (``data.split``,
+``data.subset``). When the Hub cannot be reached (``HF_HUB_OFFLINE`` set, or no answer within a
+second or two) the dataset is read from the local datasets cache, and one that is not there is an
+error at once rather than after the library's retries.
+
+Locating a source (:func:`locate`) and the offline check touch only the filesystem, so ``--dry-run``
+and the pre-start checks make them; reading (:func:`read_source`) imports ``datasets`` only for
+saved and hub datasets.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+import re
+import socket
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import List, Optional
+from urllib.parse import urlparse
+
+from ftctl.errors import FtctlError
+
+DATA_FILE_SUFFIXES = (".json", ".jsonl", ".parquet")
+HUB_PREFIX = "hf://"
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*$")
+_REACH_TIMEOUT_S = 1.5
+_WHAT_PATH_TAKES = "a .json/.jsonl/.parquet file, a directory of them, a save_to_disk directory or a hub dataset id (hf://org/name)"
+
+
+@dataclass(frozen=True)
+class DataSource:
+    kind: str  # "file", "directory", "saved" (save_to_disk) or "hub"
+    location: str  # the path, or the hub id without hf://
+    key: str  # the config key that named it, for messages
+    value: str  # what the user wrote
+    split: str = "train"
+    subset: Optional[str] = None
+
+    def describe(self) -> str:
+        if self.kind == "hub":
+            return f"hub dataset {self.location}" + (f" ({self.subset})" if self.subset else "") + f" [{self.split}]"
+        if self.kind == "saved":
+            return f"saved dataset {self.location}" + (f" [{self.split}]" if _is_dataset_dict(Path(self.location)) else "")
+        if self.kind == "directory":
+            return f"{self.location}/ ({len(data_files(Path(self.location)))} files)"
+        return self.location
+
+
+def _is_saved_dataset(path: Path) -> bool:
+    return (path / "state.json").is_file() or _is_dataset_dict(path)
+
+
+def _is_dataset_dict(path: Path) -> bool:
+    return (path / "dataset_dict.json").is_file()
+
+
+def data_files(directory: Path) -> List[Path]:
+    return sorted(p for p in directory.iterdir() if p.is_file() and p.suffix.lower() in DATA_FILE_SUFFIXES)
+
+
+def locate(value: str, key: str = "data.path", split: str = "train", subset: Optional[str] = None) -> DataSource:
+    """What ``value`` names, checked as far as the filesystem can tell (a hub id only when offline)."""
+    if value.startswith(HUB_PREFIX):
+        source = DataSource("hub", value[len(HUB_PREFIX):].strip("/"), key, value, split, subset)
+        if not _HUB_ID.match(source.location) and "/" in source.location:
+            raise FtctlError(f"{key}={value}: not a hub dataset id; write hf://org/name")
+        _check_hub_reachable_or_cached(source)
+        return source
+    path = Path(value).expanduser()
+    if path.is_file():
+        return DataSource("file", str(path), key, value, split, subset)
+    if path.is_dir():
+        if _is_saved_dataset(path):
+            source = DataSource("saved", str(path), key, value, split, subset)
+            _check_saved_split(source)
+            return source
+        if not data_files(path):
+            raise FtctlError(f"{key}={value}: the directory holds no .json, .jsonl or .parquet file (nor a save_to_disk dataset)")
+        return DataSource("directory", str(path), key, value, split, subset)
+    if _HUB_ID.match(value):
+        source = DataSource("hub", value, key, value, split, subset)
+        _check_hub_reachable_or_cached(source)
+        return source
+    raise FtctlError(f"{key}={value}: no such file or directory; give {_WHAT_PATH_TAKES}")
+
+
+def _check_saved_split(source: DataSource) -> None:
+    path = Path(source.location)
+    if not _is_dataset_dict(path):
+        return
+    splits = json.loads((path / "dataset_dict.json").read_text()).get("splits", [])
+    if source.split not in splits:
+        split_key = source.key.rsplit(".", 1)[0] + ".split"
+        raise FtctlError(f"{source.key}={source.value} has no split '{source.split}'; set {split_key} to one of: {', '.join(splits)}")
+
+
+# --- the Hub, offline ---------------------------------------------------------------------------
+
+def datasets_cache_dir() -> Path:
+    """Where ``datasets`` keeps prepared datasets, by its own rule, read now (not at its import)."""
+    if os.environ.get("HF_DATASETS_CACHE"):
+        return Path(os.environ["HF_DATASETS_CACHE"]).expanduser()
+    hf_home = os.environ.get("HF_HOME") or os.path.join(os.environ.get("XDG_CACHE_HOME", "~/.cache"), "huggingface")
+    return Path(hf_home).expanduser() / "datasets"
+
+
+def _cached_dir(repo_id: str) -> Path:
+    """datasets caches org/name as org___name (its name part in snake case, as it names builders)."""
+    from_camel = re.sub(r"(?<=[a-z0-9])(?=[A-Z])", "_", repo_id.split("/")[-1]).lower()
+    return datasets_cache_dir() / "___".join(repo_id.split("/")[:-1] + [from_camel])
+
+
+def _env_true(name: str) -> bool:
+    return os.environ.get(name, "").strip().upper() in {"1", "ON", "YES", "TRUE"}
+
+
+_reachability: dict = {}
+
+
+def hub_unreachable_reason() -> Optional[str]:
+    """Why the Hub cannot be used now ('HF_HUB_OFFLINE is set', 'no network'), or None. Asked once per process,
+    bounded by a short timeout (name resolution included), so an offline machine answers in seconds."""
+    if _env_true("HF_HUB_OFFLINE") or _env_true("HF_DATASETS_OFFLINE"):
+        return "HF_HUB_OFFLINE is set"
+    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
+    if endpoint not in _reachability:
+        parsed = urlparse(endpoint)
+        address = (parsed.hostname or "huggingface.co", parsed.port or (80 if parsed.scheme == "http" else 443))
+        answer: list = []
+
+        def connect():
+            try:
+                socket.create_connection(address, timeout=_REACH_TIMEOUT_S).close()
+                answer.append(True)
+            except OSError:
+                answer.append(False)
+
+        probe = threading.Thread(target=connect, daemon=True)  # getaddrinfo has no timeout of its own
+        probe.start()
+        probe.join(_REACH_TIMEOUT_S)
+        _reachability[endpoint] = None if answer and answer[0] else f"{parsed.hostname} is unreachable (no network)"
+    return _reachability[endpoint]
+
+
+def _check_hub_reachable_or_cached(source: DataSource) -> None:
+    reason = hub_unreachable_reason()
+    if reason and not _cached_dir(source.location).is_dir():
+        raise FtctlError(
+            f"{source.key}={source.value}: the Hub cannot be reached ({reason}) and the dataset is not in the local "
+            f"datasets cache ({datasets_cache_dir()}); load it once where the Hub is reachable, or give a file or a "
+            "save_to_disk directory"
+        )
+
+
+# --- reading --------------------------------------------------------------------------------------
+
+def read_source(source: DataSource):
+    """The source's records (ftctl.data.records.Record), each knowing where it came from."""
+    from ftctl.data.records import Record, read_records
+
+    if source.kind == "file":
+        return read_records(source.location)
+    if source.kind == "directory":
+        return [record for path in data_files(Path(source.location)) for record in read_records(path)]
+    dataset = _load_saved(source) if source.kind == "saved" else _load_hub(source)
+    where = source.describe()
+    return [Record(row, f"{where} row {i}") for i, row in enumerate(dataset.to_list())]
+
+
+def _load_saved(source: DataSource):
+    import datasets
+
+    loaded = datasets.load_from_disk(source.location)
+    if isinstance(loaded, datasets.DatasetDict):
+        _check_saved_split(source)
+        return loaded[source.split]
+    return loaded
+
+
+@functools.lru_cache(maxsize=8)  # the cache key and the records both need it; loading maps the files again
+def _load_hub(source: DataSource):
+    offline = hub_unreachable_reason()
+    _check_hub_reachable_or_cached(source)
+    import datasets
+
+    cache_dir = str(datasets_cache_dir())
+    saved = datasets.config.HF_HUB_OFFLINE
+    datasets.config.HF_HUB_OFFLINE = saved or bool(offline)  # read from the cache without trying the network
+    try:
+        return datasets.load_dataset(source.location, name=source.subset, split=source.split, cache_dir=cache_dir)
+    except Exception as exc:  # datasets raises many types (ValueError, ConnectionError, its own); all name the cause
+        split_key = source.key.rsplit(".", 1)[0]
+        message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise FtctlError(
+            f"{source.key}={source.value}: cannot load the hub dataset ({message}); check the id, "
+            f"{split_key}.split={source.split} and {split_key}.subset={source.subset}"
+        ) from None
+    finally:
+        datasets.config.HF_HUB_OFFLINE = saved
+
+
+def fingerprint(source: DataSource) -> str:
+    """A hash of the source's content, for the tokenized-data cache: edited data is tokenized again."""
+    h = hashlib.sha256(json.dumps([source.kind, source.location, source.split, source.subset]).encode())
+    if source.kind == "hub":
+        # The prepared dataset's own fingerprint names its content and revision.
+        h.update(str(_load_hub(source)._fingerprint).encode())
+        return h.hexdigest()
+    root = Path(source.location)
+    files = [root] if source.kind == "file" else data_files(root) if source.kind == "directory" else sorted(
+        p for p in root.rglob("*") if p.is_file() and not p.name.endswith(".lock")
+    )
+    for path in files:
+        h.update(str(path.relative_to(root) if path != root else path.name).encode())
+        with open(path, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                h.update(chunk)
+    return h.hexdigest()
