@@ -26,14 +26,9 @@ def check_files(cfg: RunConfig, *, check_hub: bool = True) -> None:
 
     if not is_alias(cfg.model.name_or_path):
         resolve_model_path(cfg.model.name_or_path, check_hub=check_hub)
-    from ftctl.data.sources import locate
+    from ftctl.data.sources import locate_all
 
-    d = cfg.data
-    sources = [(f"data.mixture[{i}].path", s.path, s.split or d.split, s.subset if s.subset is not None else d.subset)
-               for i, s in enumerate(d.mixture)] or [("data.path", d.path, d.split, d.subset)]
-    for key, value, split, subset in sources + [("data.eval_path", d.eval_path, d.split, d.subset)]:
-        if value:
-            locate(value, key, split, subset)
+    locate_all(cfg.data)
 
 
 def check_launch(cfg: RunConfig, overrides: Sequence[str], device_type: Optional[str] = None) -> None:

@@ -68,6 +68,13 @@ def tokenizer_fingerprint(tokenizer) -> str:
     return h.hexdigest()
 
 
+def _module_fingerprint(module: str) -> str:
+    try:
+        return hashlib.sha256(inspect.getsource(sys.modules[module]).encode()).hexdigest()
+    except (KeyError, OSError, TypeError):
+        return module
+
+
 def format_fingerprint(name: str) -> str:
     """Hash of the source of the modules defining the format and its base classes: editing a format's code re-tokenizes."""
     h = hashlib.sha256()
@@ -91,6 +98,7 @@ def _cache_key(source: DataSource, data_format: str, cfg: DataConfig, tokenizer)
         "v": _CACHE_VERSION,
         "format": data_format,
         "format_code": format_fingerprint(data_format),
+        "render_code": _module_fingerprint("ftctl.data.render"),
         "max_seq_len": cfg.max_seq_len,
         "train_on_prompt": cfg.train_on_prompt,
         "system_prompt": cfg.system_prompt,
@@ -238,9 +246,9 @@ def _concatenate(parts: List[TokenizedDataset]) -> TokenizedDataset:
 
 
 def mixture_summary(stats: dict) -> str:
-    """'75.0 % a.jsonl (alpaca, weight 3, 40 examples), 25.0 % ...' for the log and the preview."""
-    return ", ".join(
-        f"{part['share']:.1%} {part['source']} ({part['format']}, weight {part['weight']:g}, {part['examples']} examples)"
+    """'75.0% a.jsonl: alpaca, weight 3, 40 examples; 25.0% ...' for the log and the preview."""
+    return "; ".join(
+        f"{part['share']:.1%} {part['source']}: {part['format']}, weight {part['weight']:g}, {part['examples']} examples"
         for part in stats.get("mixture", [])
     )
 

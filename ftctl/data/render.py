@@ -139,7 +139,8 @@ def tokenize_text(text: str, tokenizer, max_seq_len: int) -> List[TokenizedExamp
     ids = list(tokenizer(text, add_special_tokens=True)["input_ids"])
     if tokenizer.eos_token_id is not None and (not ids or ids[-1] != tokenizer.eos_token_id):
         ids.append(tokenizer.eos_token_id)
-    pieces = [ids[start : start + max_seq_len] for start in range(0, len(ids), max_seq_len)]
-    # A last piece of one token trains nothing (the first token of an example is never a target).
-    pieces = [piece for piece in pieces if len(piece) > 1]
-    return [TokenizedExample(piece, list(piece), False) for piece in pieces]
+    # Consecutive pieces share one token: a piece's first token is never a target (nothing precedes it),
+    # so it is the previous piece's last, and every token of the document after its first is trained once.
+    stride = max_seq_len - 1
+    pieces = [ids[start : start + max_seq_len] for start in range(0, max(len(ids) - 1, 1), stride)]
+    return [TokenizedExample(piece, list(piece), False) for piece in pieces if len(piece) > 1]

@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import logging
 import os
 import re
 import socket
@@ -94,6 +95,14 @@ def locate(value: str, key: str = "data.path", split: str = "train", subset: Opt
     raise FtctlError(f"{key}={value}: no such file or directory; give {_WHAT_PATH_TAKES}")
 
 
+def locate_all(d) -> List[DataSource]:
+    """Every source a DataConfig names (the mixture's, or data.path; then data.eval_path), located."""
+    named = [(f"data.mixture[{i}].path", m.path, m.split or d.split, m.subset if m.subset is not None else d.subset)
+             for i, m in enumerate(d.mixture)] or [("data.path", d.path, d.split, d.subset)]
+    named += [("data.eval_path", d.eval_path, d.split, d.subset)] if d.eval_path else []
+    return [locate(value, key, split, subset) for key, value, split, subset in named]
+
+
 def _check_saved_split(source: DataSource) -> None:
     path = Path(source.location)
     if not _is_dataset_dict(path):
@@ -154,11 +163,21 @@ def hub_unreachable_reason() -> Optional[str]:
 
 def _check_hub_reachable_or_cached(source: DataSource) -> None:
     reason = hub_unreachable_reason()
-    if reason and not _cached_dir(source.location).is_dir():
+    if not reason:
+        return
+    cached = _cached_dir(source.location)
+    if not cached.is_dir():
         raise FtctlError(
             f"{source.key}={source.value}: the Hub cannot be reached ({reason}) and the dataset is not in the local "
             f"datasets cache ({datasets_cache_dir()}); load it once where the Hub is reachable, or give a file or a "
             "save_to_disk directory"
+        )
+    subsets = sorted(p.name for p in cached.iterdir() if p.is_dir())
+    if source.subset and source.subset not in subsets:
+        subset_key = source.key.rsplit(".", 1)[0] + ".subset"
+        raise FtctlError(
+            f"{source.key}={source.value}: the Hub cannot be reached ({reason}) and the local datasets cache holds "
+            f"no subset '{source.subset}' of it; set {subset_key} to one it holds: {', '.join(subsets)}"
         )
 
 
@@ -196,6 +215,9 @@ def _load_hub(source: DataSource):
     cache_dir = str(datasets_cache_dir())
     saved = datasets.config.HF_HUB_OFFLINE
     datasets.config.HF_HUB_OFFLINE = saved or bool(offline)  # read from the cache without trying the network
+    # "Using the latest cached version ..." is what offline means here; ftctl's log names the source.
+    library_log = logging.getLogger("datasets")
+    level, library_log.level = library_log.level, logging.ERROR
     try:
         return datasets.load_dataset(source.location, name=source.subset, split=source.split, cache_dir=cache_dir)
     except Exception as exc:  # datasets raises many types (ValueError, ConnectionError, its own); all name the cause
@@ -207,6 +229,7 @@ def _load_hub(source: DataSource):
         ) from None
     finally:
         datasets.config.HF_HUB_OFFLINE = saved
+        library_log.setLevel(level)
 
 
 def fingerprint(source: DataSource) -> str:
