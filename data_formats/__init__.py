@@ -84,8 +84,9 @@ def other_format_hint(record: Dict[str, Any], tried: str) -> str:
     for name in guess_format(record):
         if name == tried:
             continue
+        fmt = _REGISTRY[name]()
         try:
-            _REGISTRY[name]().to_messages(record)
+            fmt.to_text(record) if fmt.plain_text else fmt.to_messages(record)
         except FormatError:
             continue
         return f" The record reads as data.format={name}."

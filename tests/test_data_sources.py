@@ -254,6 +254,8 @@ def test_text_format_trains_every_token_and_splits_long_documents(tmp_path, tiny
     bad = write_jsonl(tmp_path / "bad.jsonl", [{"content": "x"}])
     rc, _, err = preview(capsys, tiny_model_dir, f"data.path={bad}", "data.format=text")
     assert rc == 1 and "bad.jsonl:1: not a valid 'text' record: missing required field 'text'" in err
+    rc, _, err = preview(capsys, tiny_model_dir, f"data.path={path}")  # the recipe's format, alpaca
+    assert rc == 1 and err.strip().endswith("The record reads as data.format=text.")
 
 
 # --- chat templates by name ------------------------------------------------------------------------------
