@@ -133,6 +133,21 @@ def test_an_uncached_hub_dataset_offline_fails_at_once_in_one_line(offline, tmp_
     assert not (tmp_path / "run").exists()
 
 
+def test_a_missing_local_path_is_not_taken_for_a_hub_id(tmp_path, monkeypatch):
+    from ftctl.data.sources import locate
+    from ftctl.errors import FtctlError
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "data").mkdir()
+    for value in ("data/trian.jsonl", "data/orders", "nowhere/train.parquet"):
+        with pytest.raises(FtctlError, match=f"data.path={value}: no such file or directory"):
+            locate(value)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "cache"))
+    with pytest.raises(FtctlError, match=r"data.path=hf://data/orders: the Hub cannot be reached"):
+        locate("hf://data/orders")  # hf:// always means the Hub
+
+
 def test_the_cache_key_covers_each_kind_of_source(tmp_path, tiny_model_dir):
     import datasets
     from transformers import AutoTokenizer

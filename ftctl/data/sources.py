@@ -88,7 +88,7 @@ def locate(value: str, key: str = "data.path", split: str = "train", subset: Opt
         if not data_files(path):
             raise FtctlError(f"{key}={value}: the directory holds no .json, .jsonl or .parquet file (nor a save_to_disk dataset)")
         return DataSource("directory", str(path), key, value, split, subset)
-    if _HUB_ID.match(value):
+    if _HUB_ID.match(value) and not _looks_local(path):
         source = DataSource("hub", value, key, value, split, subset)
         _check_hub_reachable_or_cached(source)
         return source
@@ -101,6 +101,11 @@ def locate_all(d) -> List[DataSource]:
              for i, m in enumerate(d.mixture)] or [("data.path", d.path, d.split, d.subset)]
     named += [("data.eval_path", d.eval_path, d.split, d.subset)] if d.eval_path else []
     return [locate(value, key, split, subset) for key, value, split, subset in named]
+
+
+def _looks_local(path: Path) -> bool:
+    """'data/train.jsonl' (a data file's name, or under a directory that exists here) is a missing file, not a hub id."""
+    return path.suffix.lower() in DATA_FILE_SUFFIXES + (".csv", ".arrow", ".txt") or path.parent.is_dir()
 
 
 def _check_saved_split(source: DataSource) -> None:
