@@ -95,11 +95,24 @@ def test_save_to_disk_datasets_and_their_splits(tmp_path, tiny_model_dir, capsys
     assert rc == 1 and "has no split 'validation'; set data.split to one of: train, test" in err
 
 
-def test_a_hub_dataset_is_read_from_the_datasets_cache_offline(tmp_path, tiny_model_dir, capsys, monkeypatch):
+def go_offline(how: str, monkeypatch) -> None:
+    from ftctl.data import sources
+
+    sources._load_hub.cache_clear()
+    if how == "HF_HUB_OFFLINE=1":
+        monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    else:  # an endpoint nothing answers on stands for a machine without network
+        monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+        monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")
+        monkeypatch.setattr(sources, "_reachability", {})
+
+
+@pytest.mark.parametrize("offline", ["HF_HUB_OFFLINE=1", "no network"])
+def test_a_hub_dataset_is_read_from_the_datasets_cache_offline(offline, tmp_path, tiny_model_dir, capsys, monkeypatch):
     cache = tmp_path / "hf" / "datasets"
     build_hub_cache(cache, "someorg/orders", {"train.jsonl": ALPACA[:5], "test.jsonl": ALPACA[5:]})
     monkeypatch.setenv("HF_DATASETS_CACHE", str(cache))
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    go_offline(offline, monkeypatch)
     rc, out, err = preview(capsys, tiny_model_dir, "data.path=someorg/orders", n=5)
     assert rc == 0, err
     assert out.startswith("5 examples from someorg/orders") and "number 4" in out
@@ -113,15 +126,8 @@ def test_a_hub_dataset_is_read_from_the_datasets_cache_offline(tmp_path, tiny_mo
 
 @pytest.mark.parametrize("offline", ["HF_HUB_OFFLINE=1", "no network"])
 def test_an_uncached_hub_dataset_offline_fails_at_once_in_one_line(offline, tmp_path, tiny_model_dir, capsys, monkeypatch):
-    from ftctl.data import sources
-
     monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "empty_cache"))
-    if offline == "HF_HUB_OFFLINE=1":
-        monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    else:  # an endpoint nothing answers on stands for a machine without network
-        monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
-        monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")
-        monkeypatch.setattr(sources, "_reachability", {})
+    go_offline(offline, monkeypatch)
     start = time.perf_counter()
     rc = main(["train", "recipe=tiny_lora", f"model.name_or_path={tiny_model_dir}", "data.path=someorg/missing",
                f"output_dir={tmp_path / 'run'}"])
@@ -204,6 +210,8 @@ def test_the_mixture_sampler_gives_every_source_its_share_and_depends_on_the_ste
         assert again.global_batch(step) == sampler.global_batch(step)
     assert MixtureSampler(sizes, weights, batch, seed=8).global_batch(0) != sampler.global_batch(0)
     assert sum(len(sampler.global_batch(s)) for s in range(n // batch)) == n // batch * batch
+    # Unshuffled (data.shuffle=false): each source in its order, interleaved evenly; the small one wraps around.
+    assert MixtureSampler([4, 2], [1, 1], 2, seed=0, shuffle=False)._epoch_order(0).tolist() == [0, 4, 1, 5, 2, 4]
 
 
 def test_a_mixture_trains_each_source_in_its_format_logs_the_shares_and_resumes_exactly(
