@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ftctl.cli import main
+from ftctl.cli import main, setup_logging
 from ftctl.data.render import IGNORE_INDEX
 
 ALPACA = [{"instruction": f"Say {i}", "output": f"number {i}"} for i in range(6)]
@@ -231,6 +231,7 @@ def test_a_mixture_trains_each_source_in_its_format_logs_the_shares_and_resumes_
     assert rc == 0 and f"data       mixture of 75% alpaca {alpaca}, 25% sharegpt {chats}" in out
 
     common = ("precision=fp32", mixture, "train.max_steps=4", "train.save_every=2", "train.global_batch_size=4", "train.micro_batch_size=2")
+    setup_logging()  # the run's log to stdout, as the CLI has it
     full, full_metrics = run_training(make_cfg(*common))
     log = capsys.readouterr().out
     assert f"data mixture, each epoch's share: 75.0% {alpaca}: alpaca, weight 3, 6 examples; 25.0% {chats}: sharegpt" in log
@@ -359,6 +360,19 @@ def test_chatml_by_name_trains_the_answer_and_its_end_marker(tiny_model_no_templ
     assert example.startswith("<|im_start|>system\nAnswer with a JSON object.<|im_end|>\n<|im_start|>user\n")
     trained = re.findall("\u27e6(.*?)\u27e7", example, re.S)
     assert trained == ['{"colour": "green", "animal": "cat"}<|im_end|>\n<|endoftext|>']
+
+
+def test_a_run_with_a_named_template_trains_whole_answers_and_saves_the_template(tiny_model_no_template_dir, make_cfg,
+                                                                                 run_training, capsys):
+    from ftctl.data.chat_templates import CHAT_TEMPLATES
+
+    setup_logging()  # the run's log to stdout, as the CLI has it
+    result, metrics = run_training(make_cfg("precision=fp32", "train.max_steps=2", "data.chat_template=chatml",
+                                            model_dir=tiny_model_no_template_dir))
+    examples, trained = map(int, re.search(r"data: (\d+) train examples \((\d+) trained tokens\)", capsys.readouterr().out).groups())
+    assert trained > 3 * examples  # whole answers, not the one EOS after the word "chatml"
+    assert (result.final_dir / "chat_template.jinja").read_text() == CHAT_TEMPLATES["chatml"]
+    assert all(np.isfinite(m["loss"]) for m in metrics if "loss" in m)
 
 
 def test_a_template_value_that_is_no_name_jinja_or_file_is_refused_with_the_names(tmp_path, tiny_model_dir, capsys):
