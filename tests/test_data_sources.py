@@ -90,7 +90,7 @@ def test_save_to_disk_datasets_and_their_splits(tmp_path, tiny_model_dir, capsys
     assert out.startswith("1 examples from") and "\u27e6Even.<|im_end|>" in out
     # A split it does not have is refused before anything loads, with the ones it has.
     rc = main(["train", "recipe=tiny_lora", f"model.name_or_path={tiny_model_dir}", f"data.path={tmp_path / 'dict'}",
-               "data.format=sharegpt", "data.split=validation", "--dry-run"])
+               "data.format=sharegpt", "data.split=validation", "precision=fp32", "--dry-run"])
     err = capsys.readouterr().err
     assert rc == 1 and "has no split 'validation'; set data.split to one of: train, test" in err
 
@@ -129,7 +129,7 @@ def test_an_uncached_hub_dataset_offline_fails_at_once_in_one_line(offline, tmp_
     monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "empty_cache"))
     go_offline(offline, monkeypatch)
     start = time.perf_counter()
-    rc = main(["train", "recipe=tiny_lora", f"model.name_or_path={tiny_model_dir}", "data.path=someorg/missing",
+    rc = main(["train", "recipe=tiny_lora", f"model.name_or_path={tiny_model_dir}", "data.path=someorg/missing", "precision=fp32",
                f"output_dir={tmp_path / 'run'}"])
     elapsed = time.perf_counter() - start
     err = capsys.readouterr().err
@@ -226,7 +226,7 @@ def test_a_mixture_trains_each_source_in_its_format_logs_the_shares_and_resumes_
     examples = shown_examples(out)
     assert sum("Say" in e for e in examples) == 6 and sum("\u27e6Pong.<|im_end|>" in e or "\u27e6Yo<|im_end|>" in e for e in examples) == 2
 
-    rc = main(["train", "recipe=tiny_lora", f"model.name_or_path={tiny_model_dir}", mixture, "--dry-run"])
+    rc = main(["train", "recipe=tiny_lora", f"model.name_or_path={tiny_model_dir}", mixture, "precision=fp32", "--dry-run"])
     out = capsys.readouterr().out
     assert rc == 0 and f"data       mixture of 75% alpaca {alpaca}, 25% sharegpt {chats}" in out
 
@@ -244,7 +244,7 @@ def test_a_mixture_trains_each_source_in_its_format_logs_the_shares_and_resumes_
 
 def test_mixture_entries_are_checked_before_anything_loads(tmp_path, tiny_model_dir, capsys):
     alpaca = write_jsonl(tmp_path / "a.jsonl", ALPACA)
-    base = ["train", "recipe=tiny_lora", f"model.name_or_path={tiny_model_dir}"]
+    base = ["train", "recipe=tiny_lora", f"model.name_or_path={tiny_model_dir}", "precision=fp32"]
     assert main([*base, f"data.mixture=[{{path:{alpaca},weight:0}}]", "--dry-run"]) == 2
     assert "data.mixture[0].weight=0.0 must be > 0" in capsys.readouterr().err
     assert main([*base, f"data.mixture=[{{path:{alpaca}}},{{path:{tmp_path / 'nope.jsonl'}}}]", "--dry-run"]) == 1
@@ -376,7 +376,7 @@ def test_a_run_with_a_named_template_trains_whole_answers_and_saves_the_template
 
 
 def test_a_template_value_that_is_no_name_jinja_or_file_is_refused_with_the_names(tmp_path, tiny_model_dir, capsys):
-    base = ["train", "recipe=tiny_lora", f"model.name_or_path={tiny_model_dir}"]
+    base = ["train", "recipe=tiny_lora", f"model.name_or_path={tiny_model_dir}", "precision=fp32"]
     assert main([*base, "data.chat_template=chatmll", "--dry-run"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "data.chat_template='chatmll' is not a template name, a Jinja template or an existing .jinja file" in err
