@@ -93,6 +93,18 @@ def test_save_to_disk_datasets_and_their_splits(tmp_path, tiny_model_dir, capsys
                "data.format=sharegpt", "data.split=validation", "precision=fp32", "--dry-run"])
     err = capsys.readouterr().err
     assert rc == 1 and "has no split 'validation'; set data.split to one of: train, test" in err
+    # The same dataset dict as eval data: its test split (data.eval_split) by default.
+    from ftctl.config.compose import compose_config
+    from ftctl.data.dataset import build_datasets
+    from ftctl.models.loading import load_tokenizer
+
+    cfg = compose_config(["recipe=tiny_lora", f"model.name_or_path={tiny_model_dir}", f"data.path={tmp_path / 'dict'}",
+                          f"data.eval_path={tmp_path / 'dict'}", "data.format=sharegpt"])
+    train, evaluation = build_datasets(cfg.data, load_tokenizer(cfg.model, str(tiny_model_dir)), cfg.seed)
+    assert (len(train), len(evaluation)) == (3, 1)
+    rc = main(["train", "recipe=tiny_lora", f"model.name_or_path={tiny_model_dir}", f"data.path={tmp_path / 'dict'}",
+               f"data.eval_path={tmp_path / 'dict'}", "data.eval_split=dev", "precision=fp32", "--dry-run"])
+    assert rc == 1 and "has no split 'dev'; set data.eval_split to one of: train, test" in capsys.readouterr().err
 
 
 def go_offline(how: str, monkeypatch) -> None:

@@ -103,7 +103,8 @@ class DataConfig:
         help="Several sources mixed by weight, e.g. [{path: a.jsonl, weight: 3}, {path: b.jsonl, format: sharegpt}]; "
         "each epoch draws every source's share of the examples (seeded).",
     )
-    eval_path: Optional[str] = option(None, "Separate eval file (same format).")
+    eval_path: Optional[str] = option(None, "Separate eval data (same format), any source data.path takes.")
+    eval_split: str = option("test", "Split of data.eval_path to evaluate on, for a save_to_disk DatasetDict or a hub dataset.")
     eval_fraction: float = option(0.0, "Share of the training file held out for eval when eval_path is unset.")
     max_seq_len: int = option(512, "Tokens per example; longer examples are truncated and counted.")
     train_on_prompt: bool = option(False, "Also train on system and user tokens.")

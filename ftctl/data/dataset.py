@@ -197,7 +197,8 @@ def build_datasets(cfg: DataConfig, tokenizer, seed: int) -> Tuple[TokenizedData
     else:
         train, held_out = _hold_out(load_or_tokenize(cfg.path, cfg, tokenizer), cfg.eval_fraction, seed)
     if cfg.eval_path:
-        return train, load_or_tokenize(cfg.eval_path, cfg, tokenizer, key="data.eval_path")
+        evaluation = locate(cfg.eval_path, "data.eval_path", cfg.eval_split, cfg.subset)
+        return train, load_or_tokenize(evaluation, cfg, tokenizer)
     return train, held_out
 
 

@@ -99,8 +99,15 @@ def locate_all(d) -> List[DataSource]:
     """Every source a DataConfig names (the mixture's, or data.path; then data.eval_path), located."""
     named = [(f"data.mixture[{i}].path", m.path, m.split or d.split, m.subset if m.subset is not None else d.subset)
              for i, m in enumerate(d.mixture)] or [("data.path", d.path, d.split, d.subset)]
-    named += [("data.eval_path", d.eval_path, d.split, d.subset)] if d.eval_path else []
+    named += [("data.eval_path", d.eval_path, d.eval_split, d.subset)] if d.eval_path else []
     return [locate(value, key, split, subset) for key, value, split, subset in named]
+
+
+def _sibling_key(source: DataSource, name: str) -> str:
+    """The key that sets the source's split or subset: data.split, data.mixture[1].split, data.eval_split."""
+    if source.key == "data.eval_path" and name == "split":
+        return "data.eval_split"
+    return source.key.rsplit(".", 1)[0] + "." + name
 
 
 def _looks_local(path: Path) -> bool:
@@ -114,8 +121,8 @@ def _check_saved_split(source: DataSource) -> None:
         return
     splits = json.loads((path / "dataset_dict.json").read_text()).get("splits", [])
     if source.split not in splits:
-        split_key = source.key.rsplit(".", 1)[0] + ".split"
-        raise FtctlError(f"{source.key}={source.value} has no split '{source.split}'; set {split_key} to one of: {', '.join(splits)}")
+        raise FtctlError(f"{source.key}={source.value} has no split '{source.split}'; "
+                         f"set {_sibling_key(source, 'split')} to one of: {', '.join(splits)}")
 
 
 # --- the Hub, offline ---------------------------------------------------------------------------
@@ -179,10 +186,9 @@ def _check_hub_reachable_or_cached(source: DataSource) -> None:
         )
     subsets = sorted(p.name for p in cached.iterdir() if p.is_dir())
     if source.subset and source.subset not in subsets:
-        subset_key = source.key.rsplit(".", 1)[0] + ".subset"
         raise FtctlError(
             f"{source.key}={source.value}: the Hub cannot be reached ({reason}) and the local datasets cache holds "
-            f"no subset '{source.subset}' of it; set {subset_key} to one it holds: {', '.join(subsets)}"
+            f"no subset '{source.subset}' of it; set {_sibling_key(source, 'subset')} to one it holds: {', '.join(subsets)}"
         )
 
 
@@ -226,11 +232,10 @@ def _load_hub(source: DataSource):
     try:
         return datasets.load_dataset(source.location, name=source.subset, split=source.split, cache_dir=cache_dir)
     except Exception as exc:  # datasets raises many types (ValueError, ConnectionError, its own); all name the cause
-        split_key = source.key.rsplit(".", 1)[0]
         message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise FtctlError(
             f"{source.key}={source.value}: cannot load the hub dataset ({message}); check the id, "
-            f"{split_key}.split={source.split} and {split_key}.subset={source.subset}"
+            f"{_sibling_key(source, 'split')}={source.split} and {_sibling_key(source, 'subset')}={source.subset}"
         ) from None
     finally:
         datasets.config.HF_HUB_OFFLINE = saved
