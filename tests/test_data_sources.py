@@ -109,6 +109,7 @@ def test_save_to_disk_datasets_and_their_splits(tmp_path, tiny_model_dir, capsys
 
 def go_offline(how: str, monkeypatch) -> None:
     from ftctl.data import sources
+    from ftctl.models.hub import hub_reachable
 
     sources._load_hub.cache_clear()
     if how == "HF_HUB_OFFLINE=1":
@@ -116,7 +117,9 @@ def go_offline(how: str, monkeypatch) -> None:
     else:  # an endpoint nothing answers on stands for a machine without network
         monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
         monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")
-        monkeypatch.setattr(sources, "_reachability", {})
+        monkeypatch.delenv("HTTPS_PROXY", raising=False)
+        monkeypatch.delenv("https_proxy", raising=False)
+        hub_reachable.cache_clear()
 
 
 @pytest.mark.parametrize("offline", ["HF_HUB_OFFLINE=1", "no network"])

@@ -22,19 +22,15 @@ import json
 import logging
 import os
 import re
-import socket
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import List, Optional
-from urllib.parse import urlparse
 
 from ftctl.errors import FtctlError
 
 DATA_FILE_SUFFIXES = (".json", ".jsonl", ".parquet")
 HUB_PREFIX = "hf://"
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*$")
-_REACH_TIMEOUT_S = 1.5
 _WHAT_PATH_TAKES = "a .json/.jsonl/.parquet file, a directory of them, a save_to_disk directory or a hub dataset id (hf://org/name)"
 
 
@@ -69,13 +65,16 @@ def data_files(directory: Path) -> List[Path]:
     return sorted(p for p in directory.iterdir() if p.is_file() and p.suffix.lower() in DATA_FILE_SUFFIXES)
 
 
-def locate(value: str, key: str = "data.path", split: str = "train", subset: Optional[str] = None) -> DataSource:
-    """What ``value`` names, checked as far as the filesystem can tell (a hub id only when offline)."""
+def locate(value: str, key: str = "data.path", split: str = "train", subset: Optional[str] = None, *,
+           check_hub: bool = True) -> DataSource:
+    """What ``value`` names, checked as far as the filesystem can tell; a hub id, with ``check_hub``, only
+    when the Hub is unreachable (then it must be in the local cache)."""
     if value.startswith(HUB_PREFIX):
         source = DataSource("hub", value[len(HUB_PREFIX):].strip("/"), key, value, split, subset)
         if not _HUB_ID.match(source.location) and "/" in source.location:
             raise FtctlError(f"{key}={value}: not a hub dataset id; write hf://org/name")
-        _check_hub_reachable_or_cached(source)
+        if check_hub:
+            _check_hub_reachable_or_cached(source)
         return source
     path = Path(value).expanduser()
     if path.is_file():
@@ -90,17 +89,18 @@ def locate(value: str, key: str = "data.path", split: str = "train", subset: Opt
         return DataSource("directory", str(path), key, value, split, subset)
     if _HUB_ID.match(value) and not _looks_local(path):
         source = DataSource("hub", value, key, value, split, subset)
-        _check_hub_reachable_or_cached(source)
+        if check_hub:
+            _check_hub_reachable_or_cached(source)
         return source
     raise FtctlError(f"{key}={value}: no such file or directory; give {_WHAT_PATH_TAKES}")
 
 
-def locate_all(d) -> List[DataSource]:
+def locate_all(d, *, check_hub: bool = True) -> List[DataSource]:
     """Every source a DataConfig names (the mixture's, or data.path; then data.eval_path), located."""
     named = [(f"data.mixture[{i}].path", m.path, m.split or d.split, m.subset if m.subset is not None else d.subset)
              for i, m in enumerate(d.mixture)] or [("data.path", d.path, d.split, d.subset)]
     named += [("data.eval_path", d.eval_path, d.eval_split, d.subset)] if d.eval_path else []
-    return [locate(value, key, split, subset) for key, value, split, subset in named]
+    return [locate(value, key, split, subset, check_hub=check_hub) for key, value, split, subset in named]
 
 
 def _sibling_key(source: DataSource, name: str) -> str:
@@ -141,36 +141,15 @@ def _cached_dir(repo_id: str) -> Path:
     return datasets_cache_dir() / "___".join(repo_id.split("/")[:-1] + [from_camel])
 
 
-def _env_true(name: str) -> bool:
-    return os.environ.get(name, "").strip().upper() in {"1", "ON", "YES", "TRUE"}
-
-
-_reachability: dict = {}
-
-
 def hub_unreachable_reason() -> Optional[str]:
-    """Why the Hub cannot be used now ('HF_HUB_OFFLINE is set', 'no network'), or None. Asked once per process,
-    bounded by a short timeout (name resolution included), so an offline machine answers in seconds."""
-    if _env_true("HF_HUB_OFFLINE") or _env_true("HF_DATASETS_OFFLINE"):
+    """Why the Hub cannot be used now ('HF_HUB_OFFLINE is set', 'no network'), or None; the probe is the one
+    that model ids use (ftctl.models.hub), bounded in time and asked once per process."""
+    from ftctl.models.hub import _offline_requested, _probe_address, hub_reachable
+
+    if _offline_requested() or os.environ.get("HF_DATASETS_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE"):
         return "HF_HUB_OFFLINE is set"
-    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
-    if endpoint not in _reachability:
-        parsed = urlparse(endpoint)
-        address = (parsed.hostname or "huggingface.co", parsed.port or (80 if parsed.scheme == "http" else 443))
-        answer: list = []
-
-        def connect():
-            try:
-                socket.create_connection(address, timeout=_REACH_TIMEOUT_S).close()
-                answer.append(True)
-            except OSError:
-                answer.append(False)
-
-        probe = threading.Thread(target=connect, daemon=True)  # getaddrinfo has no timeout of its own
-        probe.start()
-        probe.join(_REACH_TIMEOUT_S)
-        _reachability[endpoint] = None if answer and answer[0] else f"{parsed.hostname} is unreachable (no network)"
-    return _reachability[endpoint]
+    host, port = _probe_address()
+    return None if hub_reachable(host, port) else f"{host} is unreachable (no network)"
 
 
 def _check_hub_reachable_or_cached(source: DataSource) -> None:
