@@ -1,8 +1,8 @@
 """Dataset formats: each module here turns one kind of record into a conversation.
 
 A format is a class registered by name with :func:`register`. It converts one record (a dict read
-from a json, jsonl or parquet row) into a list of messages ``{"role": system|user|assistant,
-"content": str}``. To add a format, drop a module into this folder (it is imported by name on
+from a json, jsonl or parquet row, or a dataset's row) into a list of messages ``{"role":
+system|user|assistant, "content": str}``, or, for a ``plain_text`` format, into one document. To add a format, drop a module into this folder (it is imported by name on
 first use) or expose one from your own package under the ``ftctl.data_formats`` entry-point group;
 the runner never changes.
 """
@@ -27,8 +27,14 @@ class DataFormat:
     name: str = ""
     #: Field names whose presence identifies the format, used to suggest the right one.
     signature_fields: tuple = ()
+    #: True for documents rather than conversations (continued pretraining): :meth:`to_text` gives
+    #: the text, every token of which trains; no chat template applies.
+    plain_text: bool = False
 
     def to_messages(self, record: Dict[str, Any]) -> List[Message]:
+        raise NotImplementedError
+
+    def to_text(self, record: Dict[str, Any]) -> str:
         raise NotImplementedError
 
     @classmethod
@@ -78,8 +84,9 @@ def other_format_hint(record: Dict[str, Any], tried: str) -> str:
     for name in guess_format(record):
         if name == tried:
             continue
+        fmt = _REGISTRY[name]()
         try:
-            _REGISTRY[name]().to_messages(record)
+            fmt.to_text(record) if fmt.plain_text else fmt.to_messages(record)
         except FormatError:
             continue
         return f" The record reads as data.format={name}."

@@ -23,7 +23,7 @@ Messages = List[Dict[str, str]]
 _MODEL_OPTIONS = {
     "model": "model alias, dir, hub id or .gguf file; a run dir, its final/ or a checkpoint dir (adapters are merged)",
     "adapter": "LoRA/DoRA/QLoRA result dir to merge into model= (or into the base its adapter_config.json names)",
-    "chat_template": "Jinja chat template overriding the tokenizer's",
+    "chat_template": "chat template overriding the tokenizer's: a name (chatml, llama3, mistral, gemma, phi3, alpaca), Jinja or a .jinja file",
     "system": "system message opening every conversation (default: the one the run trained with; system= for none)",
     "max_new_tokens": "tokens generated per answer at most (default 256)",
     "temperature": "0 (default) decodes greedily; above 0 samples",

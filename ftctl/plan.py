@@ -34,7 +34,7 @@ def describe_run(cfg: RunConfig) -> str:
         f"  method     {method}",
         f"  parallel   {p.name} × {world} process{'es' if world > 1 else ''} ({p.nproc_per_node} per node × {p.nnodes} node{'s' if p.nnodes > 1 else ''})",
         f"  precision  {precision}",
-        f"  data       {d.format} {d.path} (max_seq_len {d.max_seq_len}, {'packed' if d.packing else 'padded'} micro-batches"
+        f"  data       {_data_sources(d)} (max_seq_len {d.max_seq_len}, {'packed' if d.packing else 'padded'} micro-batches"
         + (f", eval {d.eval_path or f'{d.eval_fraction:.0%} held out'}" if d.eval_path or d.eval_fraction else "") + ")",
         f"  batch      global {t.global_batch_size} = micro {t.micro_batch_size} × {world} rank{'s' if world > 1 else ''} × "
         f"{gradient_accumulation_steps(cfg, world)} accumulation; {_length(t)}, lr {t.lr:g} {t.lr_scheduler}",
@@ -52,3 +52,10 @@ def _length(t) -> str:
     if t.epochs is not None:
         return f"{t.epochs:g} epochs (steps counted after tokenization)"
     return f"{t.max_steps} steps"
+
+
+def _data_sources(d) -> str:
+    if not d.mixture:
+        return f"{d.format} {d.path}"
+    total = sum(s.weight for s in d.mixture)
+    return "mixture of " + ", ".join(f"{s.weight / total:.0%} {s.format or d.format} {s.path}" for s in d.mixture)

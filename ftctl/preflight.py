@@ -13,22 +13,22 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from ftctl.config.schema import RunConfig
-from ftctl.errors import ConfigError, FtctlError
+from ftctl.errors import ConfigError
 
 
 def check_files(cfg: RunConfig, *, check_hub: bool = True) -> None:
     """Cheap checks of the files a run needs, so a typo fails before anything is written.
 
-    ``check_hub`` also asks whether a hub model can load here (a plan may be meant for another machine).
+    ``check_hub`` also asks whether a hub model or dataset can load here (a plan may be meant for another machine).
     """
     from ftctl.models.aliases import is_alias
     from ftctl.models.loading import resolve_model_path
 
     if not is_alias(cfg.model.name_or_path):
         resolve_model_path(cfg.model.name_or_path, check_hub=check_hub)
-    for key, value in (("data.path", cfg.data.path), ("data.eval_path", cfg.data.eval_path)):
-        if value and not Path(value).expanduser().is_file():
-            raise FtctlError(f"{key}={value}: no such file")
+    from ftctl.data.sources import locate_all
+
+    locate_all(cfg.data, check_hub=check_hub)
 
 
 def check_launch(cfg: RunConfig, overrides: Sequence[str], device_type: Optional[str] = None) -> None:

@@ -80,15 +80,38 @@ class PrecisionConfig:
 
 
 @dataclass
+class MixtureSource:
+    path: str = option(OMEGA_MISSING, "A source as data.path takes it: file, directory, saved dataset or hub id.")
+    format: Optional[str] = option(None, "Its record format; default data.format.")
+    weight: float = option(1.0, "Its share of the training examples, relative to the other sources' weights.")
+    split: Optional[str] = option(None, "Saved dataset dicts and hub datasets: the split; default data.split.")
+    subset: Optional[str] = option(None, "Hub datasets: the subset (configuration); default data.subset.")
+
+
+@dataclass
 class DataConfig:
-    format: str = option("alpaca", "Record format, a module in data_formats/: alpaca, sharegpt, ...")
-    path: str = option(OMEGA_MISSING, "Training file: .json, .jsonl or .parquet.")
-    eval_path: Optional[str] = option(None, "Separate eval file (same format).")
+    format: str = option("alpaca", "Record format, a module in data_formats/: alpaca, sharegpt, openai, text, ...")
+    path: Optional[str] = option(
+        None,
+        "Training data: a .json/.jsonl/.parquet file, a directory of them, a datasets.save_to_disk directory, "
+        "or a Hugging Face dataset id (hf://org/name or org/name). Unused when data.mixture is set.",
+    )
+    split: str = option("train", "Split to train on, for a save_to_disk DatasetDict or a hub dataset.")
+    subset: Optional[str] = option(None, "Hub dataset subset (its configuration name), when it has several.")
+    mixture: List[MixtureSource] = option(
+        factory=list,
+        help="Several sources mixed by weight, e.g. [{path: a.jsonl, weight: 3}, {path: b.jsonl, format: sharegpt}]; "
+        "each epoch draws every source's share of the examples (seeded).",
+    )
+    eval_path: Optional[str] = option(None, "Separate eval data (same format), any source data.path takes.")
+    eval_split: str = option("test", "Split of data.eval_path to evaluate on, for a save_to_disk DatasetDict or a hub dataset.")
     eval_fraction: float = option(0.0, "Share of the training file held out for eval when eval_path is unset.")
     max_seq_len: int = option(512, "Tokens per example; longer examples are truncated and counted.")
     train_on_prompt: bool = option(False, "Also train on system and user tokens.")
     chat_template: Optional[str] = option(
-        None, "Jinja chat template overriding the tokenizer's; the documented fallback is used when neither exists."
+        None,
+        "Chat template overriding the tokenizer's: a name (chatml, llama3, mistral, gemma, phi3, alpaca), a Jinja "
+        "string or a .jinja file; the documented fallback is used when neither exists.",
     )
     system_prompt: Optional[str] = option(None, "System message added to examples that carry none.")
     pad_to_multiple_of: int = option(8, "Pad each micro-batch to a multiple of this many tokens.")

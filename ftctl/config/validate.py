@@ -17,7 +17,8 @@ def _choice(key: str, value: str, choices) -> None:
 
 
 def check_chat_template(key: str, template: str) -> None:
-    """A template transformers would fail to compile is a message now, not a traceback at tokenization."""
+    """A template transformers would fail to compile is a message now, not a traceback at tokenization.
+    ``template`` may also be a template's name or a .jinja file (ftctl.data.chat_templates)."""
     import jinja2
     from jinja2 import nodes
     from jinja2.ext import Extension, loopcontrols
@@ -30,6 +31,9 @@ def check_chat_template(key: str, template: str) -> None:
             lineno = next(parser.stream).lineno
             return nodes.Scope(parser.parse_statements(("name:endgeneration",), drop_needle=True), lineno=lineno)
 
+    from ftctl.data.chat_templates import resolve_chat_template
+
+    template = resolve_chat_template(template, key)
     try:  # the environment transformers renders chat templates in
         environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols, GenerationBlock])
         environment.parse(template)
@@ -95,6 +99,14 @@ def validate(cfg: RunConfig) -> None:
     from data_formats import get_format
 
     get_format(d.format)
+    if not d.path and not d.mixture:
+        raise ConfigError("data.path has no value; set data.path=FILE (or a directory, a save_to_disk directory, a hub "
+                          "dataset id) or data.mixture=[{path: ..., weight: ...}, ...]")
+    for i, source in enumerate(d.mixture):
+        if source.format:
+            get_format(source.format)
+        if not source.weight > 0:
+            raise ConfigError(f"data.mixture[{i}].weight={source.weight} must be > 0")
     if d.chat_template:
         check_chat_template("data.chat_template", d.chat_template)
     if d.max_seq_len < 16:

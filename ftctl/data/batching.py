@@ -48,6 +48,68 @@ class StepSampler:
         return batch[rank * per_rank : (rank + 1) * per_rank]
 
 
+def mixture_quotas(sizes: Sequence[int], weights: Sequence[float]) -> List[int]:
+    """How many of an epoch's ``sum(sizes)`` examples each source gives: its weight's share, rounded by largest
+    remainder so they add up, and at least one each (a listed source always trains)."""
+    total = sum(sizes)
+    exact = [total * w / sum(weights) for w in weights]
+    quotas = [max(1, int(x)) for x in exact]
+    by_remainder = sorted(range(len(exact)), key=lambda k: (-(exact[k] - int(exact[k])), k))
+    for k in by_remainder[: max(0, total - sum(quotas))]:
+        quotas[k] += 1
+    while sum(quotas) > total:  # the minimum of one pushed past the total: take back from the largest
+        quotas[max(range(len(quotas)), key=lambda k: quotas[k])] -= 1
+    return quotas
+
+
+class MixtureSampler(StepSampler):
+    """The step sampler over several sources (data.mixture), stored one after the other in one dataset.
+
+    An epoch is ``sum(sizes)`` examples, of which source k gives its quota (:func:`mixture_quotas`):
+    a small source is repeated, a large one is read further each epoch. Each source is read as an
+    endless stream of its own seeded permutations, epoch e taking the next quota of it; the epoch's
+    examples are then shuffled together (or, unshuffled, interleaved evenly). Like the plain sampler,
+    every step's batch is a function of the seed, the sizes, the weights and the step alone, so a
+    resumed run trains on exactly the examples an uninterrupted one would.
+    """
+
+    def __init__(self, sizes: Sequence[int], weights: Sequence[float], global_batch_size: int, seed: int, shuffle: bool = True):
+        super().__init__(sum(sizes), global_batch_size, seed, shuffle)
+        self.sizes = list(sizes)
+        self.starts = np.cumsum([0] + self.sizes[:-1]).tolist()
+        self.quotas = mixture_quotas(sizes, weights)
+        self._cached_epoch: Optional[tuple] = None
+
+    def _source_stream(self, k: int, start: int, count: int) -> np.ndarray:
+        size, out = self.sizes[k], []
+        for pass_ in range(start // size, (start + count - 1) // size + 1):
+            order = np.random.default_rng([self.seed, k, pass_, 1]).permutation(size) if self.shuffle else np.arange(size)
+            lo, hi = max(start - pass_ * size, 0), min(start + count - pass_ * size, size)
+            out.append(order[lo:hi])
+        return np.concatenate(out) + self.starts[k]
+
+    def _epoch_order(self, epoch: int) -> np.ndarray:
+        if self._cached_epoch is not None and self._cached_epoch[0] == epoch:
+            return self._cached_epoch[1]
+        parts = [self._source_stream(k, epoch * q, q) for k, q in enumerate(self.quotas)]
+        order = np.concatenate(parts)
+        if self.shuffle:
+            order = order[np.random.default_rng([self.seed, epoch]).permutation(len(order))]
+        else:  # example j of a source with quota q sits at (j + 0.5) / q of the epoch
+            slots = np.concatenate([(np.arange(q) + 0.5) / q for q in self.quotas])
+            order = order[np.argsort(slots, kind="stable")]
+        self._cached_epoch = (epoch, order)
+        return order
+
+
+def sampler_for(dataset, global_batch_size: int, seed: int, shuffle: bool = True) -> StepSampler:
+    """The step sampler for a dataset: mixing by weight when data.mixture built it."""
+    mixture = getattr(dataset, "mixture", None)
+    if mixture is not None:
+        return MixtureSampler(mixture.sizes, mixture.weights, global_batch_size, seed, shuffle)
+    return StepSampler(len(dataset), global_batch_size, seed, shuffle)
+
+
 @dataclass
 class MicroBatch:
     input_ids: "torch.Tensor"  # noqa: F821

@@ -10,19 +10,20 @@ import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple
 
 import numpy as np
 
 from data_formats import FormatError, get_format, other_format_hint
 from ftctl.config.schema import DataConfig
-from ftctl.data.records import read_records
-from ftctl.data.render import TemplateError, ensure_chat_template, tokenize_conversation
+from ftctl.data.records import Record
+from ftctl.data.render import TemplateError, ensure_chat_template, tokenize_conversation, tokenize_text
+from ftctl.data.sources import DataSource, fingerprint, locate, read_source
 from ftctl.errors import FtctlError
 from ftctl.paths import ftctl_home
 
 log = logging.getLogger("ftctl")
-_CACHE_VERSION = 1
+_CACHE_VERSION = 2  # 2: keyed by the source (file, directory, saved or hub dataset), not a file alone
 
 
 @dataclass
@@ -33,6 +34,9 @@ class TokenizedDataset:
     labels: np.ndarray
     offsets: np.ndarray
     stats: dict = field(default_factory=dict)
+    #: Set when data.mixture built it: each source's example count and weight, in source order (the
+    #: examples of source k follow those of source k-1), which the step sampler mixes by.
+    mixture: Optional["Mixture"] = None
 
     def __len__(self) -> int:
         return len(self.offsets) - 1
@@ -64,6 +68,13 @@ def tokenizer_fingerprint(tokenizer) -> str:
     return h.hexdigest()
 
 
+def _module_fingerprint(module: str) -> str:
+    try:
+        return hashlib.sha256(inspect.getsource(sys.modules[module]).encode()).hexdigest()
+    except (KeyError, OSError, TypeError):
+        return module
+
+
 def format_fingerprint(name: str) -> str:
     """Hash of the source of the modules defining the format and its base classes: editing a format's code re-tokenizes."""
     h = hashlib.sha256()
@@ -75,15 +86,19 @@ def format_fingerprint(name: str) -> str:
     return h.hexdigest()
 
 
-def _cache_key(path: Path, cfg: DataConfig, tokenizer) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
+@dataclass(frozen=True)
+class Mixture:
+    sizes: Tuple[int, ...]
+    weights: Tuple[float, ...]
+
+
+def _cache_key(source: DataSource, data_format: str, cfg: DataConfig, tokenizer) -> str:
+    h = hashlib.sha256(fingerprint(source).encode())
     settings = {
         "v": _CACHE_VERSION,
-        "format": cfg.format,
-        "format_code": format_fingerprint(cfg.format),
+        "format": data_format,
+        "format_code": format_fingerprint(data_format),
+        "render_code": _module_fingerprint("ftctl.data.render"),
         "max_seq_len": cfg.max_seq_len,
         "train_on_prompt": cfg.train_on_prompt,
         "system_prompt": cfg.system_prompt,
@@ -94,63 +109,78 @@ def _cache_key(path: Path, cfg: DataConfig, tokenizer) -> str:
 
 
 def tokenize_file(path: str | Path, cfg: DataConfig, tokenizer) -> TokenizedDataset:
-    fmt = get_format(cfg.format)
+    source = locate(str(path), "data.path", cfg.split, cfg.subset)
+    return tokenize_records(read_source(source), source, cfg.format, cfg, tokenizer)
+
+
+def tokenize_records(records: List[Record], source: DataSource, data_format: str, cfg: DataConfig, tokenizer) -> TokenizedDataset:
+    fmt = get_format(data_format)
     ids, labels, offsets = [], [], [0]
     stats = {"examples": 0, "truncated": 0, "dropped_no_trained_tokens": 0}
-    records = read_records(path)
+    where = source.location if source.kind != "hub" else source.value
     if not records:
-        raise FtctlError(f"{path}: the file holds no examples")
+        raise FtctlError(f"{where}: the {'file' if source.kind == 'file' else 'dataset'} holds no examples")
     for record in records:
         try:
-            messages = fmt.to_messages(record.data)
+            if fmt.plain_text:
+                examples = tokenize_text(fmt.to_text(record.data), tokenizer, cfg.max_seq_len)
+                stats["split_documents"] = stats.get("split_documents", 0) + (len(examples) > 1)
+            else:
+                examples = [_tokenize_chat(fmt.to_messages(record.data), cfg, tokenizer, record)]
         except FormatError as exc:
-            hint = other_format_hint(record.data, cfg.format)
-            raise FtctlError(f"{record.source}: not a valid '{cfg.format}' record: {exc}.{hint}") from None
-        if cfg.system_prompt and messages[0]["role"] != "system":
-            messages = [{"role": "system", "content": cfg.system_prompt}] + messages
-        try:
-            example = tokenize_conversation(messages, tokenizer, cfg.max_seq_len, cfg.train_on_prompt)
-        except TemplateError as exc:
-            raise FtctlError(f"{record.source}: {exc}") from None
-        stats["examples"] += 1
-        stats["truncated"] += example.truncated
-        if example.trained_tokens == 0:
-            stats["dropped_no_trained_tokens"] += 1
-            if not example.truncated:  # nothing to train even in full: every assistant turn is context
-                stats["dropped_no_trained_turn"] = stats.get("dropped_no_trained_turn", 0) + 1
-            continue
-        ids.append(np.asarray(example.input_ids, dtype=np.int32))
-        labels.append(np.asarray(example.labels, dtype=np.int32))
-        offsets.append(offsets[-1] + len(example.input_ids))
+            hint = other_format_hint(record.data, data_format)
+            raise FtctlError(f"{record.source}: not a valid '{data_format}' record: {exc}.{hint}") from None
+        for example in examples:
+            stats["examples"] += 1
+            stats["truncated"] += example.truncated
+            if example.trained_tokens == 0:
+                stats["dropped_no_trained_tokens"] += 1
+                if not example.truncated:  # nothing to train even in full: every assistant turn is context
+                    stats["dropped_no_trained_turn"] = stats.get("dropped_no_trained_turn", 0) + 1
+                continue
+            ids.append(np.asarray(example.input_ids, dtype=np.int32))
+            labels.append(np.asarray(example.labels, dtype=np.int32))
+            offsets.append(offsets[-1] + len(example.input_ids))
     if not ids:
         untrained = stats.get("dropped_no_trained_turn", 0)
         if untrained == stats["dropped_no_trained_tokens"]:
             raise FtctlError(
-                f"{path}: every example was filtered out: none has an assistant turn to train (one after a user "
+                f"{where}: every example was filtered out: none has an assistant turn to train (one after a user "
                 "or system turn, not marked weight 0)"
             )
         raise FtctlError(
-            f"{path}: every example was filtered out ({stats['dropped_no_trained_tokens'] - untrained} had no trained "
+            f"{where}: every example was filtered out ({stats['dropped_no_trained_tokens'] - untrained} had no trained "
             f"token left after truncation to data.max_seq_len={cfg.max_seq_len}; {untrained} had no assistant turn "
             "to train); raise max_seq_len"
         )
     return TokenizedDataset(np.concatenate(ids), np.concatenate(labels), np.asarray(offsets, dtype=np.int64), stats)
 
 
-def load_or_tokenize(path: str | Path, cfg: DataConfig, tokenizer) -> TokenizedDataset:
-    """Tokenize ``path`` or reuse the cache entry keyed by its content, the tokenizer and the settings."""
-    path = Path(path).expanduser()
-    if not path.is_file():
-        raise FtctlError(f"data file not found: {path} (data.path)")
+def _tokenize_chat(messages, cfg: DataConfig, tokenizer, record: Record):
+    if cfg.system_prompt and messages[0]["role"] != "system":
+        messages = [{"role": "system", "content": cfg.system_prompt}] + messages
+    try:
+        return tokenize_conversation(messages, tokenizer, cfg.max_seq_len, cfg.train_on_prompt)
+    except TemplateError as exc:
+        raise FtctlError(f"{record.source}: {exc}") from None
+
+
+def load_or_tokenize(
+    path: str | Path | DataSource, cfg: DataConfig, tokenizer, data_format: Optional[str] = None, key: str = "data.path"
+) -> TokenizedDataset:
+    """Tokenize a source (a data.path value, or a located DataSource) in ``data_format`` (default data.format),
+    or reuse the cache entry keyed by its content, the tokenizer and the settings."""
+    source = path if isinstance(path, DataSource) else locate(str(path), key, cfg.split, cfg.subset)
+    data_format = data_format or cfg.format
     cache_root = Path(cfg.cache_dir).expanduser() if cfg.cache_dir else ftctl_home() / "data_cache"
-    entry = cache_root / f"{_cache_key(path, cfg, tokenizer)}.npz"
+    entry = cache_root / f"{_cache_key(source, data_format, cfg, tokenizer)}.npz"
     if entry.is_file():
         with np.load(entry, allow_pickle=False) as z:
             stats = json.loads(str(z["stats"]))
             data = TokenizedDataset(z["input_ids"], z["labels"], z["offsets"], stats)
         data.stats["cache"] = "hit"
         return data
-    data = tokenize_file(path, cfg, tokenizer)
+    data = tokenize_records(read_source(source), source, data_format, cfg, tokenizer)
     entry.parent.mkdir(parents=True, exist_ok=True)
     tmp = entry.with_name(f"{entry.stem}.{os.getpid()}.tmp.npz")
     np.savez(tmp, input_ids=data.input_ids, labels=data.labels, offsets=data.offsets, stats=json.dumps(data.stats))
@@ -162,17 +192,66 @@ def load_or_tokenize(path: str | Path, cfg: DataConfig, tokenizer) -> TokenizedD
 def build_datasets(cfg: DataConfig, tokenizer, seed: int) -> Tuple[TokenizedDataset, Optional[TokenizedDataset]]:
     """The train split and the eval split (a separate file, a seeded fraction, or none)."""
     ensure_chat_template(tokenizer, cfg.chat_template)
-    full = load_or_tokenize(cfg.path, cfg, tokenizer)
-    stats = dict(full.stats)
+    if cfg.mixture:
+        train, held_out = _build_mixture(cfg, tokenizer, seed)
+    else:
+        train, held_out = _hold_out(load_or_tokenize(cfg.path, cfg, tokenizer), cfg.eval_fraction, seed)
     if cfg.eval_path:
-        return _with_stats(full, stats), load_or_tokenize(cfg.eval_path, cfg, tokenizer)
-    if cfg.eval_fraction > 0:
-        order = np.random.default_rng(seed).permutation(len(full))
-        n_eval = max(1, int(round(len(full) * cfg.eval_fraction)))
-        if n_eval >= len(full):
-            raise FtctlError(f"data.eval_fraction={cfg.eval_fraction} leaves no training example out of {len(full)}")
-        return _with_stats(full.subset(sorted(order[n_eval:])), stats), full.subset(sorted(order[:n_eval]))
-    return full, None
+        evaluation = locate(cfg.eval_path, "data.eval_path", cfg.eval_split, cfg.subset)
+        return train, load_or_tokenize(evaluation, cfg, tokenizer)
+    return train, held_out
+
+
+def _hold_out(full: TokenizedDataset, fraction: float, seed: int) -> Tuple[TokenizedDataset, Optional[TokenizedDataset]]:
+    """A seeded ``fraction`` of the examples for eval, and the rest, both in their original order."""
+    if fraction <= 0:
+        return full, None
+    order = np.random.default_rng(seed).permutation(len(full))
+    n_eval = max(1, int(round(len(full) * fraction)))
+    if n_eval >= len(full):
+        raise FtctlError(f"data.eval_fraction={fraction} leaves no training example out of {len(full)}")
+    return _with_stats(full.subset(sorted(order[n_eval:])), dict(full.stats)), full.subset(sorted(order[:n_eval]))
+
+
+def _build_mixture(cfg: DataConfig, tokenizer, seed: int) -> Tuple[TokenizedDataset, Optional[TokenizedDataset]]:
+    """Every source tokenized (and cached) on its own, in its own format; eval_fraction holds out a share of each."""
+    trains, evals, described = [], [], []
+    for i, entry in enumerate(cfg.mixture):
+        source = locate(entry.path, f"data.mixture[{i}].path", entry.split or cfg.split,
+                        entry.subset if entry.subset is not None else cfg.subset)
+        data_format = entry.format or cfg.format
+        train, held_out = _hold_out(load_or_tokenize(source, cfg, tokenizer, data_format), cfg.eval_fraction, seed + i)
+        trains.append(train)
+        evals += [held_out] if held_out is not None else []
+        described.append({"source": source.describe(), "format": data_format, "weight": entry.weight, "examples": len(train)})
+    combined = _concatenate(trains)
+    combined.mixture = Mixture(tuple(len(t) for t in trains), tuple(float(e.weight) for e in cfg.mixture))
+    for name in ("examples", "truncated", "dropped_no_trained_tokens", "split_documents"):
+        combined.stats[name] = sum(t.stats.get(name, 0) for t in trains)
+    combined.stats["cache"] = ",".join(t.stats.get("cache", "-") for t in trains)
+    from ftctl.data.batching import mixture_quotas
+
+    quotas = mixture_quotas(combined.mixture.sizes, combined.mixture.weights)
+    for part, quota in zip(described, quotas):
+        part["share"] = quota / len(combined)
+    combined.stats["mixture"] = described
+    return combined, (_concatenate(evals) if evals else None)
+
+
+def _concatenate(parts: List[TokenizedDataset]) -> TokenizedDataset:
+    starts = np.cumsum([0] + [len(p.input_ids) for p in parts[:-1]])
+    offsets = np.concatenate([parts[0].offsets[:1]] + [p.offsets[1:] + start for p, start in zip(parts, starts)])
+    return TokenizedDataset(
+        np.concatenate([p.input_ids for p in parts]), np.concatenate([p.labels for p in parts]), offsets.astype(np.int64), {}
+    )
+
+
+def mixture_summary(stats: dict) -> str:
+    """'75.0% a.jsonl: alpaca, weight 3, 40 examples; 25.0% ...' for the log and the preview."""
+    return "; ".join(
+        f"{part['share']:.1%} {part['source']}: {part['format']}, weight {part['weight']:g}, {part['examples']} examples"
+        for part in stats.get("mixture", [])
+    )
 
 
 def _with_stats(data: TokenizedDataset, stats: dict) -> TokenizedDataset:

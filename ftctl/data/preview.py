@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from ftctl.config.schema import RunConfig
-from ftctl.data.dataset import build_datasets
+from ftctl.data.batching import sampler_for
+from ftctl.data.dataset import build_datasets, mixture_summary
 from ftctl.data.render import IGNORE_INDEX
+from ftctl.data.sources import locate_all
 from ftctl.models.loading import load_tokenizer, resolve_model_path
 
 TRAINED_OPEN, TRAINED_CLOSE = "\u27e6", "\u27e7"  # ⟦trained⟧
@@ -34,14 +36,22 @@ def mark_spans(tokenizer, input_ids, labels, color: bool = False) -> str:
 
 
 def preview(cfg: RunConfig, n: int, color: bool = False) -> None:
+    locate_all(cfg.data)  # a missing file or an unreachable hub dataset is a message before the tokenizer loads
     tokenizer = load_tokenizer(cfg.model, resolve_model_path(cfg.model.name_or_path))
     train, _ = build_datasets(cfg.data, tokenizer, cfg.seed)
     legend = f"{GREEN}green{RESET}" if color else f"{TRAINED_OPEN}…{TRAINED_CLOSE}"
     stats = train.stats
-    print(f"{len(train)} examples from {cfg.data.path} (format {cfg.data.format}; {stats.get('truncated', 0)} truncated to "
-          f"data.max_seq_len={cfg.data.max_seq_len}, {stats.get('dropped_no_trained_tokens', 0)} dropped with no trained token); "
+    if cfg.data.mixture:
+        origin = f"a mixture of {mixture_summary(stats)}"
+        # What the first steps train on, so every source shows.
+        shown = sampler_for(train, max(n, 1), cfg.seed, cfg.data.shuffle).global_batch(0)[:n]
+    else:
+        origin = f"{cfg.data.path} (format {cfg.data.format})"
+        shown = list(range(min(n, len(train))))
+    print(f"{len(train)} examples from {origin}; {stats.get('truncated', 0)} truncated to "
+          f"data.max_seq_len={cfg.data.max_seq_len}, {stats.get('dropped_no_trained_tokens', 0)} dropped with no trained token; "
           f"trained spans are {legend}, the rest is masked")
-    for i in range(min(n, len(train))):
+    for i in shown:
         ids, labels = train[i]
         trained = int((labels[1:] != IGNORE_INDEX).sum())
         print(f"\n--- example {i}: {len(ids)} tokens, {trained} trained ---")

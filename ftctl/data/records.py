@@ -29,7 +29,7 @@ def read_records(path: str | Path) -> List[Record]:
             try:
                 rows = json.loads(text)
             except json.JSONDecodeError as exc:
-                raise FtctlError(f"{path}:{exc.lineno}: malformed JSON: {exc.msg}") from None
+                raise FtctlError(f"{path}:{exc.lineno}: malformed JSON: {exc.msg} (column {exc.colno})") from None
             return [_as_record(row, f"{path}:item {i}") for i, row in enumerate(rows)]
         if text.lstrip().startswith("{"):
             _refuse_one_document(path, text)
@@ -63,12 +63,14 @@ def _read_jsonl(path: Path) -> List[Record]:
     records = []
     with open(path, encoding="utf-8-sig") as f:
         for lineno, line in enumerate(f, start=1):
+            line = line.rstrip("\r\n")  # a fault at the end of the line would be reported at the next line's column 1
             if not line.strip():
                 continue
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as exc:
-                raise FtctlError(f"{path}:{lineno}: malformed JSON line: {exc.msg} (column {exc.colno})") from None
+                at_end = ", the end of the line" if exc.pos >= len(line.rstrip()) else ""
+                raise FtctlError(f"{path}:{lineno}: malformed JSON line: {exc.msg} (column {exc.pos + 1}{at_end})") from None
             records.append(_as_record(row, f"{path}:{lineno}"))
     return records
 

@@ -47,9 +47,12 @@ class TokenizedExample:
 
 
 def ensure_chat_template(tokenizer, override: Optional[str] = None) -> str:
-    """Install the template the run uses on the tokenizer (it is saved with the result) and return it."""
+    """Install the template the run uses on the tokenizer (it is saved with the result) and return it.
+    ``override`` is a data.chat_template value: a template's name, Jinja text or a .jinja file."""
     if override:
-        tokenizer.chat_template = override
+        from ftctl.data.chat_templates import resolve_chat_template
+
+        tokenizer.chat_template = resolve_chat_template(override)
     elif not getattr(tokenizer, "chat_template", None):
         tokenizer.chat_template = FALLBACK_CHAT_TEMPLATE
     return tokenizer.chat_template
@@ -128,3 +131,16 @@ def tokenize_conversation(
         labels.append(eos)
     truncated = len(input_ids) > max_seq_len
     return TokenizedExample(input_ids[:max_seq_len], labels[:max_seq_len], truncated)
+
+
+def tokenize_text(text: str, tokenizer, max_seq_len: int) -> List[TokenizedExample]:
+    """A document for continued pretraining: every token trained, EOS appended, split into examples of at most
+    ``max_seq_len`` tokens, so nothing of a long document is cut off."""
+    ids = list(tokenizer(text, add_special_tokens=True)["input_ids"])
+    if tokenizer.eos_token_id is not None and (not ids or ids[-1] != tokenizer.eos_token_id):
+        ids.append(tokenizer.eos_token_id)
+    # Consecutive pieces share one token: a piece's first token is never a target (nothing precedes it),
+    # so it is the previous piece's last, and every token of the document after its first is trained once.
+    stride = max_seq_len - 1
+    pieces = [ids[start : start + max_seq_len] for start in range(0, max(len(ids) - 1, 1), stride)]
+    return [TokenizedExample(piece, list(piece), False) for piece in pieces if len(piece) > 1]

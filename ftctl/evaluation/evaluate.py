@@ -219,7 +219,7 @@ EVAL_OPTIONS = {
     "data.path": "held-out file (.jsonl, .json or .parquet); default with recipe=: its data.eval_path",
     "data.format": "alpaca, sharegpt, openai, ...; default: guessed from the first record",
     "data.system_prompt": "system message added to examples that carry none (default: the one the run trained with)",
-    "data.chat_template": "Jinja chat template overriding the tokenizer's (as in training)",
+    "data.chat_template": "chat template overriding the tokenizer's: a name, Jinja or a .jinja file (as in training)",
     "output": "dir for eval.json and predictions.jsonl (default runs/eval-<time>)",
     "n": "evaluate the first n examples (default: all)",
     "max_new_tokens": "tokens generated per answer at most (default 64)",

@@ -19,7 +19,7 @@ import torch
 
 from ftctl.config.schema import RunConfig
 from ftctl.config.validate import gradient_accumulation_steps
-from ftctl.data.batching import Batching, StepSampler
+from ftctl.data.batching import Batching, sampler_for
 from ftctl.data.dataset import build_datasets
 from ftctl.errors import FtctlError
 from ftctl.data.prefetch import StepBatches
@@ -119,7 +119,7 @@ def _train(cfg: RunConfig, run_dir: Path, backend) -> TrainResult:
             f"{counts['total']:,}", t.global_batch_size, t.micro_batch_size, backend.world_size, accumulation,
         )
 
-    sampler = StepSampler(len(train_data), t.global_batch_size, cfg.seed, cfg.data.shuffle)
+    sampler = sampler_for(train_data, t.global_batch_size, cfg.seed, cfg.data.shuffle)
     make_batches = Batching.from_config(cfg, tokenizer.pad_token_id)
     metrics = MetricsLogger(run_dir, steps, start_step, enabled=backend.is_main, trackers=requested_trackers(t),
                             params=flatten_keys(asdict(cfg)), progress_bar=t.progress_bar)
@@ -228,3 +228,7 @@ def _log_data(backend, train_data, eval_data, eval_every: int = 0) -> None:
         len(train_data), train_data.trained_tokens(), len(eval_data) if eval_data is not None else 0,
         s.get("truncated", 0), s.get("dropped_no_trained_tokens", 0), s.get("cache", "-"),
     )
+    if s.get("mixture"):
+        from ftctl.data.dataset import mixture_summary
+
+        log.info("data mixture, each epoch's share: %s", mixture_summary(s))
