@@ -25,8 +25,10 @@ setup: $(STAMP)
 demo: setup
 	$(PY) scripts/demo.py
 
+# One pytest worker per core; a test file stays on one worker (its module fixtures are built once).
+PYTEST_WORKERS ?= auto
 test: setup
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile tests
 
 # precision=auto's tests with the CPU bf16 probe forced each way (.ci/run runs this after `make test`).
 test-precision: setup
