@@ -57,48 +57,18 @@ def build_tokenizer(out_dir: Path, *, vocab_size: int = 512, chat_template: bool
 def build_tiny_llama(
     out_dir: str | Path,
     *,
-    num_layers: int = 2,
-    hidden_size: int = 64,
-    num_heads: int = 4,
-    num_kv_heads: int = 2,
-    intermediate_size: int = 128,
-    vocab_size: int = 512,
-    max_position_embeddings: int = 1024,
-    seed: int = 0,
     chat_template: bool = True,
     pad_token: bool = True,
     tie_word_embeddings: bool = False,
-    initializer_range: float = 0.1,
+    **shape,
 ) -> Path:
-    """Write a random Llama (safetensors) and tokenizer into ``out_dir``; return the dir."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    """Write a random Llama (safetensors) and tokenizer into ``out_dir``; return the dir.
 
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_tokenizer(out, vocab_size=vocab_size, chat_template=chat_template, pad_token=pad_token)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=hidden_size,
-        intermediate_size=intermediate_size,
-        num_hidden_layers=num_layers,
-        num_attention_heads=num_heads,
-        num_key_value_heads=num_kv_heads,
-        max_position_embeddings=max_position_embeddings,
-        tie_word_embeddings=tie_word_embeddings,
-        # Llama's 0.02 leaves a 64-wide random model's layers nearly silent next to the embeddings,
-        # so adapters could barely move the loss; 0.1 gives tests a model that learns like a real one.
-        initializer_range=initializer_range,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=None,
-    )
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(config)
-    model.generation_config.pad_token_id = tokenizer.pad_token_id
-    model.save_pretrained(out, safe_serialization=True)
-    (out / "ftctl_tiny.json").write_text(json.dumps({"seed": seed, "num_layers": num_layers}))
-    return out
+    ``chat_template=False`` / ``pad_token=False`` give a tokenizer without a template that pads with
+    EOS (the fallback-template path); ``shape`` takes :func:`build_tiny_model`'s size keywords.
+    """
+    return build_tiny_model("llama", out_dir, chat_template=chat_template, pad_token=pad_token,
+                            tie_word_embeddings=tie_word_embeddings, **shape)
 
 
 #: Tiny random configs of the decoder families ftctl is tested on: transformers config class and the
@@ -142,13 +112,17 @@ def build_tiny_model(
     vocab_size: int = 512,
     max_position_embeddings: int = 1024,
     seed: int = 0,
+    # Llama's 0.02 leaves a 64-wide random model's layers nearly silent next to the embeddings,
+    # so adapters could barely move the loss; 0.1 gives tests a model that learns like a real one.
     initializer_range: float = 0.1,
+    chat_template: bool = True,
+    pad_token: bool = True,
     **overrides,
 ) -> Path:
     """Write a random model of ``family`` (a key of :data:`TINY_FAMILIES`) and the ChatML tokenizer into ``out_dir``.
 
-    ``overrides`` set further config keys (e.g. ``tie_word_embeddings``). Deterministic like
-    :func:`build_tiny_llama`, which it equals for ``family="llama"`` up to the config's defaults.
+    ``overrides`` set further config keys (e.g. ``tie_word_embeddings``). Deterministic: the same
+    arguments give the same weights.
     """
     import torch
     import transformers
@@ -158,7 +132,7 @@ def build_tiny_model(
     config_class_name, family_keys = TINY_FAMILIES[family]
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_tokenizer(out, vocab_size=vocab_size)
+    tokenizer = build_tokenizer(out, vocab_size=vocab_size, chat_template=chat_template, pad_token=pad_token)
     if family == "gpt2":
         shape = {"n_embd": hidden_size, "n_layer": num_layers, "n_head": num_heads, "n_inner": intermediate_size,
                  "n_positions": max_position_embeddings}
