@@ -142,14 +142,10 @@ def _cached_dir(repo_id: str) -> Path:
 
 
 def hub_unreachable_reason() -> Optional[str]:
-    """Why the Hub cannot be used now ('HF_HUB_OFFLINE is set', 'no network'), or None; the probe is the one
-    that model ids use (ftctl.models.hub), bounded in time and asked once per process."""
-    from ftctl.models.hub import _offline_requested, _probe_address, hub_reachable
+    """The model ids' hub probe (ftctl.models.hub), with the datasets library's own offline switch."""
+    from ftctl.models.hub import hub_unreachable_reason as reason
 
-    if _offline_requested() or os.environ.get("HF_DATASETS_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE"):
-        return "HF_HUB_OFFLINE is set"
-    host, port = _probe_address()
-    return None if hub_reachable(host, port) else f"{host} is unreachable (no network)"
+    return reason("HF_DATASETS_OFFLINE")
 
 
 def _check_hub_reachable_or_cached(source: DataSource) -> None:

@@ -11,6 +11,7 @@ import logging
 import os
 import socket
 import threading
+from typing import Optional
 from urllib.parse import urlparse
 
 from ftctl.errors import FtctlError
@@ -24,7 +25,7 @@ PROBE_TIMEOUT_S = 1.5
 def ensure_hub_model_available(repo_id: str, key: str) -> None:
     """Raise one FtctlError unless ``repo_id`` can load: from the hub, or from the local cache."""
     cached = _cached_config(repo_id)
-    if _offline_requested():
+    if offline_requested():
         if not cached:
             raise FtctlError(
                 f"{key}={repo_id}: not in the local Hugging Face cache ({_cache_dir()}) and HF_HUB_OFFLINE is set; "
@@ -73,8 +74,19 @@ def _endpoint() -> str:
     return os.environ.get("HF_ENDPOINT") or "https://huggingface.co"
 
 
-def _offline_requested() -> bool:
-    return any(os.environ.get(v, "").upper() in ("1", "ON", "YES", "TRUE") for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
+def offline_requested(*more_variables: str) -> bool:
+    """HF_HUB_OFFLINE or TRANSFORMERS_OFFLINE (or one of ``more_variables``, e.g. HF_DATASETS_OFFLINE) is set."""
+    names = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", *more_variables)
+    return any(os.environ.get(v, "").upper() in ("1", "ON", "YES", "TRUE") for v in names)
+
+
+def hub_unreachable_reason(*more_offline_variables: str) -> Optional[str]:
+    """Why the Hub cannot be used now ('HF_HUB_OFFLINE is set', 'no network'), or None; the probe is bounded
+    in time and asked once per process."""
+    if offline_requested(*more_offline_variables):
+        return "HF_HUB_OFFLINE is set"
+    host, port = _probe_address()
+    return None if hub_reachable(host, port) else f"{host} is unreachable (no network)"
 
 
 def _go_offline() -> None:
