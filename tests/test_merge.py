@@ -90,6 +90,7 @@ def test_qlora_merges_into_the_dequantised_base(make_cfg, run_training, tiny_mod
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
     from ftctl.merging import merge
+    from ftctl.methods.quantization import keep_one_weight_layout
 
     result, _ = run_training(make_cfg("method=qlora", *SHORT_RUN))
     out = merge(result.final_dir, tmp_path / "merged")
@@ -99,7 +100,9 @@ def test_qlora_merges_into_the_dequantised_base(make_cfg, run_training, tiny_mod
     def four_bit_base():
         quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
                                    bnb_4bit_compute_dtype=torch.float32)
-        return AutoModelForCausalLM.from_pretrained(tiny_model_dir, quantization_config=quant, dtype=torch.float32, device_map="cpu")
+        model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, quantization_config=quant, dtype=torch.float32, device_map="cpu")
+        keep_one_weight_layout(model)  # fp32 compute on AVX512-BF16 CPUs too, as ftctl's own 4-bit loads
+        return model
 
     # The reference: the fp32 base whose projections are replaced by their NF4 round trip.
     quantized, dequantized = four_bit_base(), fp32_model(tiny_model_dir)

@@ -18,7 +18,7 @@ CPU = torch.device("cpu")
 def build(cfg, model_dir):
     """The model exactly as the runner builds it for ``cfg``, without training it."""
     from ftctl.methods import create_method
-    from ftctl.precision import resolve_precision
+    from ftctl.precision.policy import resolve_precision
 
     return create_method(cfg).build_model(str(model_dir), resolve_precision(cfg.precision, CPU), CPU)
 
@@ -52,6 +52,29 @@ def weight_bytes(modules) -> int:
                 seen.add(t.data_ptr())
                 total += t.numel() * t.element_size()
     return total
+
+
+def test_an_eval_pass_leaves_4bit_layers_trainable_on_any_cpu(make_cfg, tiny_model_dir, monkeypatch):
+    """bitsandbytes repacks a 4-bit weight in place for AVX512-BF16 CPUs the first time a layer runs
+    without gradients, after which training fails (and eval computes in bf16). ftctl keeps one layout;
+    the CPU is made to look like such a CPU here, so the check means the same on every machine."""
+    import bitsandbytes as bnb
+    import bitsandbytes.nn.modules as bnb_modules
+
+    monkeypatch.setattr(bnb_modules, "has_avx512bf16", lambda: True)
+    model = build(make_cfg("method=qlora"), tiny_model_dir)
+    layers = [m for m in model.modules() if isinstance(m, bnb.nn.Linear4bit)]
+    assert layers and not any(m.support_avx512bf16_for_cpu for m in layers)
+    shapes = [tuple(m.weight.shape) for m in layers]
+    model.eval()
+    with torch.no_grad():
+        before = lm_loss(model)
+    assert [tuple(m.weight.shape) for m in layers] == shapes  # not repacked
+    model.train()
+    lm_loss(model).backward()
+    model.eval()
+    with torch.no_grad():
+        assert torch.equal(lm_loss(model), before)
 
 
 def test_qlora_base_is_4bit_packed_and_only_lora_trains(make_cfg, tiny_model_dir):
@@ -105,7 +128,7 @@ def test_qlora_loads_with_far_fewer_weight_bytes_than_fp32(make_cfg, tiny_model_
     from transformers import AutoModelForCausalLM
 
     from ftctl.methods import create_method
-    from ftctl.precision import resolve_precision
+    from ftctl.precision.policy import resolve_precision
 
     cfg = make_cfg("method=qlora")
     quantized = create_method(cfg).load_base(str(tiny_model_dir), resolve_precision(cfg.precision, CPU), CPU)

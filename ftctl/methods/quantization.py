@@ -66,11 +66,30 @@ def load_4bit(model_cfg, model_path: str, settings: QuantSettings, device: torch
     """The base with every linear layer but the output head quantised to 4 bits, on ``device``."""
     _require_bitsandbytes()
     # Quantisation happens while the weights are placed, so they go straight to the training device.
-    return load_causal_lm(
+    model = load_causal_lm(
         model_cfg, model_path, dtype=settings.torch_compute_dtype,
         quantization_config=settings.bnb_config(), device_map={"": str(device)},
         device_type=torch.device(device).type, packing=packing,
     )
+    keep_one_weight_layout(model)
+    return model
+
+
+def keep_one_weight_layout(model) -> int:
+    """Turn off bitsandbytes' in-place repacking of 4-bit weights for AVX512-BF16 CPUs; returns the layers touched.
+
+    On such a CPU, bitsandbytes rewrites a layer's packed weight into another layout the first time
+    the layer runs without gradients (an eval pass, the packing check) and computes in bf16 from then
+    on. The next training forward then fails (``assert module.weight.shape[1] == 1``) or sees
+    different numbers than an AVX2 CPU would. One layout keeps training, eval and merge identical on
+    every CPU.
+    """
+    touched = 0
+    for module in model.modules():
+        if getattr(module, "support_avx512bf16_for_cpu", False):
+            module.support_avx512bf16_for_cpu = False
+            touched += 1
+    return touched
 
 
 def prepare_for_kbit_training(model, gradient_checkpointing: bool):
