@@ -70,7 +70,7 @@ def system_prompt(options: Dict[str, str]) -> Optional[str]:
     """system= when given (empty for none), else the system prompt the run behind model=/adapter= trained with."""
     if "system" in options:
         return options["system"] or None
-    from ftctl.evaluation.evaluate import trained_system_prompt
+    from ftctl.trained_run import trained_system_prompt
 
     return trained_system_prompt(options.get("adapter"), options.get("model"))
 

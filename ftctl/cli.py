@@ -6,10 +6,10 @@ import argparse
 import logging
 import os
 import sys
-import warnings
 from pathlib import Path
 from typing import List, Optional
 
+from ftctl.console import done_line, quiet_libraries, setup_logging
 from ftctl.errors import FtctlError, did_you_mean
 
 log = logging.getLogger("ftctl")
@@ -30,55 +30,6 @@ commands:
   generate       answer a file of prompts: ftctl generate model=NAME input=FILE output=FILE.jsonl
   plot           draw a run's loss curve: ftctl plot RUN_DIR [output=FILE.png]
 """
-
-
-class _CurrentStdoutHandler(logging.StreamHandler):
-    """Writes to sys.stdout as it is at each message: in-process callers (tests) replace and close it."""
-
-    @property
-    def stream(self):
-        return sys.stdout
-
-    @stream.setter
-    def stream(self, _value):
-        pass
-
-
-def setup_logging(run_dir=None, debug: bool = False) -> None:
-    logger = logging.getLogger("ftctl")
-    logger.setLevel(logging.DEBUG if debug else logging.INFO)
-    logger.propagate = False
-    if not any(isinstance(h, logging.StreamHandler) and getattr(h, "_ftctl", False) for h in logger.handlers):
-        handler = _CurrentStdoutHandler()
-        handler.setFormatter(logging.Formatter("[ftctl] %(message)s"))
-        handler._ftctl = True
-        logger.addHandler(handler)
-    close_run_log()
-    if run_dir is not None:
-        file_handler = logging.FileHandler(run_dir / "train.log")
-        file_handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
-        file_handler._ftctl_run_log = True
-        logger.addHandler(file_handler)
-
-
-def close_run_log(ending: Optional[BaseException] = None) -> None:
-    """Close the run dir's train.log; ``ending`` (what stopped the run) is written into it first."""
-    logger = logging.getLogger("ftctl")
-    for handler in [h for h in logger.handlers if getattr(h, "_ftctl_run_log", False)]:
-        if ending is not None:
-            reason = str(ending) if isinstance(ending, FtctlError) else f"{type(ending).__name__}: {ending}"
-            handler.emit(logger.makeRecord(logger.name, logging.ERROR, __file__, 0, "stopped: %s", (reason,), None))
-        logger.removeHandler(handler)
-        handler.close()
-
-
-def end_failed_run(run_dir: Path, reason: BaseException) -> None:
-    """train.log says why the run stopped; a run that never took a step leaves nothing behind."""
-    from ftctl.training.run_dir import discard_unstarted_run, was_announced
-
-    close_run_log(ending=reason)
-    if discard_unstarted_run(run_dir) and was_announced(run_dir):
-        log.info("removed run dir %s: the run stopped before its first step", run_dir)
 
 
 def _split_extra(overrides: List[str], *names: str):
@@ -111,7 +62,6 @@ def cmd_train(args) -> int:
     check_launch(cfg, args.overrides)  # before anything is written or started
     from ftctl.launch import launch_workers, world_size
     from ftctl.parallel.place import inside_launcher
-    from ftctl.worker import done_line
     from ftctl.training.run_dir import prepare_run_dir
 
     if inside_launcher():  # torchrun, deepspeed or srun started this process once per rank
@@ -126,6 +76,7 @@ def cmd_train(args) -> int:
         return 0
     run_dir = prepare_run_dir(cfg)
     setup_logging(run_dir, args.debug)
+    from ftctl.training.run_dir import end_failed_run
     from ftctl.training.runner import train
 
     try:
@@ -474,28 +425,6 @@ def _refuse_unknown_arguments(parser: argparse.ArgumentParser, args, unknown: Li
     # Flags share their "--", so only a close match is a suggestion (--nope is not --help).
     hints = [did_you_mean(arg.split("=")[0], flags, cutoff=0.7).strip() for arg in unknown if arg.startswith("-")]
     owner.error(f"unrecognized arguments: {' '.join(unknown)}{''.join(' ' + h for h in hints if h)}")
-
-
-def _not_the_cpu_accelerator_notice(record: logging.LogRecord) -> bool:
-    return not record.getMessage().startswith("Setting accelerator to CPU")
-
-
-def _not_the_missing_kernels_notice(record: logging.LogRecord) -> bool:
-    return not record.getMessage().startswith("Failed to load CPU gemm_4bit_forward from kernels-community")
-
-
-def quiet_libraries(debug: bool) -> None:
-    """What the libraries print that a user cannot act on stays out of ftctl's output (the CLI and every worker)."""
-    # ftctl reports its own progress; the libraries' per-file bars would bury it.
-    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-    # transformers asks DeepSpeed about ZeRO-3 whenever it saves a model, and on a machine without a GPU
-    # DeepSpeed then warns it is "setting accelerator to CPU", in runs that use no DeepSpeed at all.
-    logging.getLogger("DeepSpeed").addFilter(_not_the_cpu_accelerator_notice)  # DeepSpeed's own logger; adding twice is a no-op
-    # bitsandbytes, imported by peft in every adapter run, looks on avx512_bf16 CPUs for an optional
-    # hub kernel package ("kernels") and says so when it is absent; its own 4-bit CPU path works without it.
-    logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(_not_the_missing_kernels_notice)
-    if not debug:  # deprecation notices between transformers and peft are not the user's to act on
-        warnings.filterwarnings("ignore", category=FutureWarning)
 
 
 def main(argv: Optional[List[str]] = None) -> int:

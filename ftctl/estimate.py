@@ -38,7 +38,8 @@ from ftctl.errors import ConfigError
 from ftctl.models.architecture import HEAD_RETURNS_PLAIN_LOGITS, LINEAR_NAMES, Architecture
 from ftctl.parallel.support import bucket_elements
 from ftctl.paths import model_configs_dir
-from ftctl.preflight import auto_precision, gpu_visible, visible_device_type
+from ftctl.precision.auto import auto_precision
+from ftctl.preflight import gpu_visible, visible_device_type
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 QUANT_BLOCK = 64  # bitsandbytes 4-bit block size

@@ -188,7 +188,8 @@ def merge_adapter(adapter_dir, base: Optional[str] = None, dtype: str = "float32
 
     ``base_key`` names the option that gave ``base`` in messages (merge's base=, chat's and eval's model=).
     """
-    from ftctl.models.loading import load_causal_lm, trained_model_config
+    from ftctl.models.loading import load_causal_lm
+    from ftctl.trained_run import trained_model_config
 
     _check_dtype(dtype)
     adapter_dir = Path(adapter_dir).expanduser().absolute()

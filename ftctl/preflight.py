@@ -2,13 +2,13 @@
 
 Torch-free, so ``--dry-run`` runs the same checks as a real run: the files the config names, the
 method × backend × precision × device combination, and the rules of multi-node launches. The GPU
-and CPU probes here are the one rule of ``precision=auto``, shared by training, the estimator and dry runs.
+probe here tells which device a run would get; what ``precision=auto`` means there is
+:mod:`ftctl.precision.auto`'s.
 """
 
 from __future__ import annotations
 
 import os
-from functools import lru_cache
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -61,43 +61,3 @@ def gpu_visible() -> bool:
 def visible_device_type() -> str:
     """The device a run here would train on, as far as it can be told without importing torch."""
     return "cuda" if gpu_visible() else "cpu"
-
-
-CPU_BF16_ENV = "FTCTL_CPU_BF16"
-NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
-
-
-@lru_cache(maxsize=4)
-def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> frozenset:
-    try:
-        with open(cpuinfo) as f:
-            line = next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        return frozenset()
-    return frozenset(line.partition(":")[2].split())
-
-
-def cpu_has_native_bf16() -> bool:
-    """True when the CPU computes bf16 in hardware (AVX512-BF16 or AMX); emulated bf16 is far slower than fp32.
-
-    FTCTL_CPU_BF16=1 or 0 overrides the probe: for tests of both kinds of CPU on one machine, and for a
-    virtual machine whose advertised flags are not what its host runs.
-    """
-    forced = os.environ.get(CPU_BF16_ENV, "").strip().lower()
-    if forced in ("1", "true", "yes"):
-        return True
-    if forced in ("0", "false", "no"):
-        return False
-    if forced not in ("", "auto"):
-        raise ConfigError(f"{CPU_BF16_ENV}={forced!r}: expected 1, 0 or auto (unset probes the CPU)")
-    return any(flag in cpu_flags() for flag in NATIVE_BF16_FLAGS)
-
-
-def auto_precision(device_type: str, cuda_bf16: bool = True) -> str:
-    """What precision=auto means on a device: bf16 on GPUs that have it (fp16 on older ones), bf16 on CPUs
-    that compute it natively (measured faster at the same held-out score, see the README), else fp32."""
-    if device_type == "cuda":
-        return "bf16" if cuda_bf16 else "fp16"
-    if device_type == "cpu" and cpu_has_native_bf16():
-        return "bf16"
-    return "fp32"

@@ -15,19 +15,13 @@ import tempfile
 from pathlib import Path
 from typing import List, Optional
 
+from ftctl.console import done_line, quiet_libraries, setup_logging
 from ftctl.errors import ConfigError, FtctlError
 
 log = logging.getLogger("ftctl")
 
 
-def done_line(result) -> str:
-    eval_part = f", eval loss {result.last_eval_loss:.4f}" if result.last_eval_loss is not None else ""
-    return f"done: {result.steps} steps, final loss {result.last_loss:.4f}{eval_part} -> {result.final_dir}"
-
-
 def _setup_rank_logging(rank: int, run_dir: Optional[Path], debug: bool) -> None:
-    from ftctl.cli import quiet_libraries, setup_logging
-
     setup_logging(run_dir if rank == 0 else None, debug)
     quiet_libraries(debug)
     if rank != 0 and not debug:
@@ -104,7 +98,7 @@ def train_under_launcher(cfg, debug: bool = False):
             result = train(cfg, run_dir)
         except BaseException as exc:  # whatever stopped it, as `ftctl train` does without a launcher
             if place.rank == 0:  # the run dir is rank 0's
-                from ftctl.cli import end_failed_run
+                from ftctl.training.run_dir import end_failed_run
 
                 end_failed_run(run_dir, exc)
             raise

@@ -28,13 +28,13 @@ def precision_auto_only_where_marked(request, monkeypatch):
     marked `precision` and sets the probe itself (FTCTL_CPU_BF16); `.ci/run` runs those both ways."""
     if request.node.get_closest_marker("precision"):
         return
-    import ftctl.preflight as preflight
+    import ftctl.precision.auto as precision_auto
 
     def unexpected_probe():
         pytest.fail("this test let precision=auto ask the CPU for bf16: pass precision=fp32 (or bf16) explicitly, "
                     "or mark it @pytest.mark.precision and set FTCTL_CPU_BF16", pytrace=False)
 
-    monkeypatch.setattr(preflight, "cpu_has_native_bf16", unexpected_probe)
+    monkeypatch.setattr(precision_auto, "cpu_has_native_bf16", unexpected_probe)
 
 
 @pytest.fixture(scope="session")

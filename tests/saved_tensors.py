@@ -29,7 +29,7 @@ def saved_by_decoder_layer(cfg) -> SavedByLayer:
     from ftctl.methods import create_method
     from ftctl.models.fast_rms_norm import use_fast_rms_norm
     from ftctl.models.packed_attention import use_packed_attention
-    from ftctl.precision import resolve_precision
+    from ftctl.precision.policy import resolve_precision
 
     cpu = torch.device("cpu")
     precision = resolve_precision(cfg.precision, cpu)

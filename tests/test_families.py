@@ -158,7 +158,7 @@ def test_moe_parameter_adapters_fit_their_base_and_not_another(family, tiny, tmp
 def test_dora_on_moe_adapts_the_linear_layers_and_names_what_it_leaves_out(tiny, caplog):
     from ftctl.config.compose import compose_config
     from ftctl.methods import create_method
-    from ftctl.precision import resolve_precision
+    from ftctl.precision.policy import resolve_precision
 
     cfg = compose_config(["recipe=tiny_lora", f"model.name_or_path={tiny('mixtral')}", "method=dora", "precision=fp32"])
     cpu = torch.device("cpu")

@@ -371,7 +371,7 @@ def test_full_bf16_keeps_a_compute_copy_of_every_linear_weight_and_the_estimate_
     from ftctl.methods import create_method
     from ftctl.models.architecture import Architecture
     from ftctl.models.loading import model_config_dict
-    from ftctl.precision import resolve_precision
+    from ftctl.precision.policy import resolve_precision
 
     cfg = make_cfg("method=full", "precision=bf16")
     precision = resolve_precision(cfg.precision, torch.device("cpu"))

@@ -1,4 +1,4 @@
-"""precision=auto: one rule (ftctl.preflight.auto_precision) for training, the estimator and dry runs,
+"""precision=auto: one rule (ftctl.precision.auto.auto_precision) for training, the estimator and dry runs,
 decided by the CPU's bf16 support, which FTCTL_CPU_BF16 can force. `.ci/run` runs this file with the
 probe forced each way, so both kinds of CPU are covered on whichever machine CI has."""
 
@@ -11,8 +11,9 @@ import torch
 
 from ftctl.cli import main
 from ftctl.estimate import machine_precision
-from ftctl.preflight import CPU_BF16_ENV, auto_precision, cpu_flags, cpu_has_native_bf16, gpu_visible
-from ftctl.precision import resolve_precision_name
+from ftctl.precision.auto import CPU_BF16_ENV, auto_precision, cpu_flags, cpu_has_native_bf16
+from ftctl.preflight import gpu_visible
+from ftctl.precision.policy import resolve_precision_name
 
 pytestmark = pytest.mark.precision
 CPU = torch.device("cpu")
@@ -46,10 +47,10 @@ def test_the_probe_reads_the_cpu_flags(tmp_path, monkeypatch, flags, native):
     cpuinfo.write_text(f"processor\t: 0\nflags\t\t: {flags}\n\nprocessor\t: 1\nflags\t\t: {flags}\n")
     assert ("avx512_bf16" in cpu_flags(str(cpuinfo)) or "amx_bf16" in cpu_flags(str(cpuinfo))) == native
     monkeypatch.delenv(CPU_BF16_ENV, raising=False)
-    import ftctl.preflight as preflight
+    import ftctl.precision.auto as precision_auto
 
-    monkeypatch.setattr(preflight, "cpu_flags", lambda: cpu_flags(str(cpuinfo)))
-    assert preflight.cpu_has_native_bf16() == native
+    monkeypatch.setattr(precision_auto, "cpu_flags", lambda: cpu_flags(str(cpuinfo)))
+    assert precision_auto.cpu_has_native_bf16() == native
     assert auto_precision("cpu") == ("bf16" if native else "fp32")
 
 

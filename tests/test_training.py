@@ -43,7 +43,7 @@ def test_lora_first_forward_equals_base(make_cfg, tiny_model_dir):
     from transformers import AutoModelForCausalLM
 
     from ftctl.methods import create_method
-    from ftctl.precision import resolve_precision
+    from ftctl.precision.policy import resolve_precision
 
     cfg = make_cfg()
     device = torch.device("cpu")

@@ -19,6 +19,7 @@ from data_formats import FormatError, get_format, guess_format, other_format_hin
 from ftctl.data.render import trains
 from ftctl.errors import FtctlError
 from ftctl.options import number_option
+from ftctl.trained_run import trained_model_config, trained_system_prompt
 
 log = logging.getLogger("ftctl")
 
@@ -92,31 +93,6 @@ def resolve_targets(model: Optional[str], adapter: Optional[str]) -> Tuple[Optio
     return model, adapter_dir
 
 
-def trained_system_prompt(*targets: Optional[str]) -> Optional[str]:
-    """The data.system_prompt of the ftctl run that produced a result (a run dir, its final/ or a
-    checkpoints/step-N/ dir), read from the run's config.yaml; None for anything else.
-
-    A model trained with a system prompt answers as trained only when it sees that prompt again.
-    """
-    run = trained_run_config(*targets)
-    return run.data.system_prompt if run is not None else None
-
-
-def trained_run_config(*targets: Optional[str]):
-    """The resolved config of the ftctl run that produced the first of ``targets`` that is a run result, or None."""
-    from ftctl.config.compose import load_resolved
-
-    for target in filter(None, targets):
-        path = Path(target).expanduser()
-        for run_dir in (path, path.parent, path.parent.parent):
-            if (run_dir / "config.yaml").is_file() and ((run_dir / "final").is_dir() or (run_dir / "checkpoints").is_dir()):
-                try:
-                    return load_resolved(run_dir / "config.yaml")
-                except FtctlError:
-                    return None
-    return None
-
-
 def _adapter_dir(value: str, key: str) -> Path:
     path = Path(value).expanduser()
     for candidate in (path, path / "final"):
@@ -146,8 +122,6 @@ def load_model(model: Optional[str], adapter_dir: Optional[Path] = None):
         from ftctl.models.gguf_import import load_gguf
 
         return load_gguf(Path(model).expanduser())
-    from ftctl.models.loading import trained_model_config
-
     model_path = resolve_model_path(model, key="model")
     tokenizer = load_tokenizer(ModelConfig(name_or_path=model), model_path)
     return load_causal_lm(trained_model_config(model, model), model_path, dtype=torch.float32), tokenizer

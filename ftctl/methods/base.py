@@ -8,7 +8,7 @@ from typing import Dict, Optional
 import torch
 
 from ftctl.config.schema import RunConfig
-from ftctl.precision import PrecisionPolicy
+from ftctl.precision.policy import PrecisionPolicy
 
 
 class Method:

@@ -77,19 +77,6 @@ def load_causal_lm(model_cfg: ModelConfig, model_path: str, *, dtype, quantizati
         raise FtctlError(f"could not load the model from {model_path}: {str(exc).splitlines()[0]}") from None
 
 
-def trained_model_config(name_or_path: str, result: Optional[str]) -> ModelConfig:
-    """How to load ``name_or_path`` for a run ``result`` (adapter, run or output dir): with the attention kernel
-    that run trained with (its config.yaml), so merge, eval, chat, generate and export see the model training saw.
-    Anything else loads with the defaults (``auto``)."""
-    from ftctl.evaluation.evaluate import trained_run_config
-
-    run = trained_run_config(result)
-    # These commands load on the CPU first; a GPU-only kernel (flash-attention) is left to auto there.
-    if run is None or run.model.attn_implementation not in ("sdpa", "eager"):
-        return ModelConfig(name_or_path=name_or_path)
-    return ModelConfig(name_or_path=name_or_path, attn_implementation=run.model.attn_implementation)
-
-
 def model_config_dict(model_path: Optional[str]) -> dict:
     import json
 

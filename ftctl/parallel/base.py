@@ -10,7 +10,7 @@ from typing import Callable, Dict, Optional
 import torch
 
 from ftctl.config.schema import RunConfig
-from ftctl.precision import PrecisionPolicy
+from ftctl.precision.policy import PrecisionPolicy
 
 
 @dataclass

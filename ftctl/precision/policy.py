@@ -1,4 +1,4 @@
-"""Numeric precision: what `auto` means on this machine, the autocast context and the loss scaler.
+"""Numeric precision of a run: the autocast context, the loss scaler and where `auto` resolves on a device.
 
 Trainable parameters and optimizer states always stay fp32 (master weights); only the compute
 runs in bf16 or fp16, and only frozen base weights may be stored in the compute dtype.
@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from ftctl.config.schema import PrecisionConfig
-from ftctl.preflight import auto_precision
+from ftctl.precision.auto import auto_precision
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 

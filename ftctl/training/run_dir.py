@@ -9,6 +9,7 @@ from pathlib import Path
 
 from ftctl.config.compose import load_resolved, to_yaml
 from ftctl.config.schema import RunConfig
+from ftctl.console import close_run_log
 from ftctl.errors import FtctlError
 from ftctl.parallel.support import DEEPSPEED_CONFIG_FILE
 from ftctl.preflight import check_files
@@ -135,3 +136,10 @@ def _check_extendable(cfg: RunConfig, run_dir: Path, ckpt) -> None:
             f"output_dir {run_dir} holds a finished run of {last_step} steps, but {kept}, so it cannot be extended "
             "exactly; runs trained with train.save_every>0 keep a checkpoint of their last step. Start a new run instead"
         )
+
+
+def end_failed_run(run_dir: Path, reason: BaseException) -> None:
+    """train.log says why the run stopped; a run that never took a step leaves nothing behind."""
+    close_run_log(ending=reason)
+    if discard_unstarted_run(run_dir) and was_announced(run_dir):
+        log.info("removed run dir %s: the run stopped before its first step", run_dir)

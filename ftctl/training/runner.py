@@ -28,8 +28,8 @@ from ftctl.models.fast_rms_norm import use_fast_rms_norm
 from ftctl.models.loading import load_tokenizer, resolve_model_path
 from ftctl.models.compile import compile_decoder_layers
 from ftctl.models.packed_attention import KernelCapabilities, choose_packed_kernel, use_packed_attention
-from ftctl.parallel import create_backend
-from ftctl.precision import resolve_precision
+from ftctl.parallel.backends import create_backend
+from ftctl.precision.policy import resolve_precision
 from ftctl.training.checkpoint import save_checkpoint
 from ftctl.training.interrupts import NonFiniteGuard, StepOutcome, StopRequest, TrainingInterrupted
 from ftctl.training.loss import returns_head_output, token_loss_sum
