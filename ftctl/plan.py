@@ -38,6 +38,7 @@ def describe_run(cfg: RunConfig) -> str:
         + (f", eval {d.eval_path or f'{d.eval_fraction:.0%} held out'}" if d.eval_path or d.eval_fraction else "") + ")",
         f"  batch      global {t.global_batch_size} = micro {t.micro_batch_size} × {world} rank{'s' if world > 1 else ''} × "
         f"{gradient_accumulation_steps(cfg, world)} accumulation; {_length(t)}, lr {t.lr:g} {t.lr_scheduler}",
+        *_evals(cfg),
         f"  output     {output}",
         "",
     ]
@@ -46,6 +47,19 @@ def describe_run(cfg: RunConfig) -> str:
     except ConfigError as exc:
         lines.append(f"memory estimate unavailable: {exc}")
     return "\n".join(lines)
+
+
+def _evals(cfg) -> list:
+    """The evals line: what is logged every train.eval_every steps, and what keep_best / early stopping compare."""
+    from ftctl.config.eval_sets import training_eval_keys
+
+    t, keys = cfg.train, training_eval_keys(cfg.data)
+    if not keys:
+        return []
+    when = f"every {t.eval_every} steps and at the end" if t.eval_every else "at the end"
+    extra = ([f"best/ by {t.best_metric}"] if t.keep_best else []) + (
+        [f"early stopping after {t.early_stopping_patience} evals without a better {t.best_metric}"] if t.early_stopping_patience else [])
+    return [f"  evals      {', '.join(keys)} {when}" + (f"; {'; '.join(extra)}" if extra else "")]
 
 
 def _length(t) -> str:

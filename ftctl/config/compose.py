@@ -119,6 +119,12 @@ OTHER_TOOLS_NAMES = {
 }
 
 
+def under_mapping(key: str, fields) -> bool:
+    """Whether ``key`` names an entry inside a mapping-typed key (data.eval_sets.orders), whose keys are free."""
+    parts = key.split(".")
+    return any(str(getattr(fields.get(".".join(parts[:i])), "type", "")).startswith("Dict[") for i in range(1, len(parts)))
+
+
 def _unknown_key_hint(key: str, fields) -> str:
     name = key.rsplit(".", 1)[-1]
     placed = [k for k in fields if k.rsplit(".", 1)[-1] == name]
@@ -157,8 +163,10 @@ def _check_override(raw: str, fields: Dict[str, dataclasses.Field]) -> str:
                 + (" (see `ftctl recipes`)" if key == "recipe" else "")
             )
         return f"recipe@_global_={value}" if key == "recipe" else raw
-    if key not in fields:
+    if key not in fields and not under_mapping(key, fields):
         raise ConfigError(f"unknown config key '{key}'.{_unknown_key_hint(key, fields)} (`ftctl config-docs` lists every key)")
+    if key not in fields or str(fields[key].type).startswith("Dict["):
+        return f"++{raw}"  # a mapping's keys are the user's (named eval sets), so Hydra's struct mode must let them in
     if str(fields[key].type).startswith("List[") and _PLAIN_NAMES.match(value):
         return f"{key}=[{value}]"  # one name, or a comma-separated list, means the list of them
     return raw
@@ -252,7 +260,8 @@ def _with_config_file(path: Path, overrides: Sequence[str], hydra_overrides: Lis
     choices = [o.split("=", 1) for o in overrides if o.split("=", 1)[0] in GROUPS]
     if any(group == "recipe" for group, _ in choices):
         raise ConfigError(f"pass recipe=NAME or --config {path}, not both (the file is the recipe)")
-    ConfigStore.instance().store(group="recipe", name=CONFIG_FILE_RECIPE, node=load_config_file(path, fields, _unknown_key_hint))
+    node = load_config_file(path, fields, _unknown_key_hint, lambda key: under_mapping(key, fields))
+    ConfigStore.instance().store(group="recipe", name=CONFIG_FILE_RECIPE, node=node)
     as_keys = [key for group, option in choices for key in group_choice_as_keys(recipes_dir() / group / f"{option}.yaml", group)]
     groups = [o for o in hydra_overrides if o.split("=", 1)[0] in GROUPS]
     keys = [o for o in hydra_overrides if o.split("=", 1)[0] not in GROUPS]

@@ -46,14 +46,15 @@ def key_lines(path: Path) -> Dict[str, int]:
     return lines
 
 
-def load_config_file(path: Path, fields, unknown_key_hint):
-    """The file's content, after refusing keys the schema does not have (with the file's line)."""
+def load_config_file(path: Path, fields, unknown_key_hint, free_key=lambda key: False):
+    """The file's content, after refusing keys the schema does not have (with the file's line); ``free_key``
+    tells the entries of mapping-typed keys (data.eval_sets.NAME), which the user names."""
     from omegaconf import OmegaConf
 
     lines = key_lines(path)
     sections = {key.rsplit(".", 1)[0] for key in fields if "." in key}
     for key, line in lines.items():
-        if key not in fields and key not in sections:
+        if key not in fields and key not in sections and not free_key(key):
             raise ConfigError(f"{path}:{line}: unknown config key '{key}'.{unknown_key_hint(key, fields)} "
                               "(`ftctl config-docs` lists every key)")
     return OmegaConf.load(path)

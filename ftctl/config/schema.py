@@ -8,7 +8,7 @@ loads.
 from __future__ import annotations
 
 from dataclasses import MISSING, dataclass, field
-from typing import Any, List, Optional
+from typing import Any, Dict, List, Optional
 
 from omegaconf import MISSING as OMEGA_MISSING
 
@@ -89,6 +89,20 @@ class MixtureSource:
 
 
 @dataclass
+class EvalSet:
+    """One named eval set of data.eval_sets; a bare path stands for {path: PATH}."""
+
+    path: str = option(OMEGA_MISSING, "A source as data.path takes it: file, directory, saved dataset or hub id.")
+    format: Optional[str] = option(None, "Its record format; default data.format.")
+    split: Optional[str] = option(None, "Saved dataset dicts and hub datasets: the split; default data.eval_split.")
+    subset: Optional[str] = option(None, "Hub datasets: the subset (configuration); default data.subset.")
+    metric: str = option(
+        "auto", "What `ftctl eval` scores it by: auto, exact_match, json_match, rouge_l, perplexity, or several "
+        "joined by commas; training logs its loss, and its perplexity when listed here."
+    )
+
+
+@dataclass
 class DataConfig:
     format: str = option("alpaca", "Record format, a module in data_formats/: alpaca, sharegpt, openai, text, ...")
     path: Optional[str] = option(
@@ -106,6 +120,11 @@ class DataConfig:
     eval_path: Optional[str] = option(None, "Separate eval data (same format), any source data.path takes.")
     eval_split: str = option("test", "Split of data.eval_path to evaluate on, for a save_to_disk DatasetDict or a hub dataset.")
     eval_fraction: float = option(0.0, "Share of the training file held out for eval when eval_path is unset.")
+    eval_sets: Dict[str, Any] = option(
+        factory=dict,
+        help="Named eval sets besides data.eval_path / eval_fraction, each logged as eval/<name>_loss: {name: source} "
+        "or {name: {path, format, split, subset, metric}}, e.g. {orders: a.jsonl, chat: {path: b.jsonl, format: sharegpt}}.",
+    )
     max_seq_len: int = option(512, "Tokens per example; longer examples are truncated and counted.")
     train_on_prompt: bool = option(False, "Also train on system and user tokens.")
     chat_template: Optional[str] = option(
@@ -158,6 +177,21 @@ class TrainConfig:
     eval_every: int = option(0, "Eval loss every this many steps; 0 = only at the end when an eval split exists.")
     save_every: int = option(0, "Checkpoint every this many steps; 0 = no intermediate checkpoints.")
     keep_last: int = option(0, "Checkpoints to keep; 0 keeps all.")
+    keep_best: bool = option(
+        False, "Keep the weights of the best eval so far by train.best_metric in output_dir/best/ (with best.json); "
+        "final/ stays the last step's."
+    )
+    best_metric: str = option(
+        "eval_loss", "What keep_best and early stopping compare, lower is better: eval_loss (data.eval_path or "
+        "eval_fraction), eval/<name>_loss or eval/<name>_perplexity of a data.eval_sets entry."
+    )
+    early_stopping_patience: int = option(
+        0, "Stop after this many evals in a row without a better train.best_metric (0 = never stop early); the run "
+        "still saves final/, and a checkpoint when save_every > 0."
+    )
+    early_stopping_threshold: float = option(
+        0.0, "How much lower train.best_metric must be than the best so far to count as better (for keep_best too)."
+    )
     progress_bar: bool = option(True, "Show a progress bar on rank 0 when stderr is a terminal (FTCTL_PROGRESS=1 forces it).")
     tensorboard: bool = option(True, "Deprecated: false drops tensorboard from report_to.")
     report_to: List[str] = option(

@@ -107,6 +107,12 @@ def validate(cfg: RunConfig) -> None:
             get_format(source.format)
         if not source.weight > 0:
             raise ConfigError(f"data.mixture[{i}].weight={source.weight} must be > 0")
+    from ftctl.config.eval_sets import check_best_metric, named_eval_sets
+
+    for eval_set in named_eval_sets(d.eval_sets).values():
+        if eval_set.format:
+            get_format(eval_set.format)
+    check_best_metric(cfg)
     if d.chat_template:
         check_chat_template("data.chat_template", d.chat_template)
     if d.max_seq_len < 16:

@@ -10,7 +10,7 @@ import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
@@ -200,6 +200,19 @@ def build_datasets(cfg: DataConfig, tokenizer, seed: int) -> Tuple[TokenizedData
         evaluation = locate(cfg.eval_path, "data.eval_path", cfg.eval_split, cfg.subset)
         return train, load_or_tokenize(evaluation, cfg, tokenizer)
     return train, held_out
+
+
+def build_eval_sets(cfg: DataConfig, tokenizer) -> Dict[str, TokenizedDataset]:
+    """The named eval sets of data.eval_sets, each tokenized (and cached) in its own format, as training renders examples."""
+    from ftctl.config.eval_sets import named_eval_sets
+
+    ensure_chat_template(tokenizer, cfg.chat_template)
+    sets = {}
+    for name, entry in named_eval_sets(cfg.eval_sets).items():
+        source = locate(entry.path, f"data.eval_sets.{name}.path", entry.split or cfg.eval_split,
+                        entry.subset if entry.subset is not None else cfg.subset)
+        sets[name] = load_or_tokenize(source, cfg, tokenizer, entry.format or cfg.format)
+    return sets
 
 
 def _hold_out(full: TokenizedDataset, fraction: float, seed: int) -> Tuple[TokenizedDataset, Optional[TokenizedDataset]]:

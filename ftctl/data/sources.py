@@ -96,10 +96,14 @@ def locate(value: str, key: str = "data.path", split: str = "train", subset: Opt
 
 
 def locate_all(d, *, check_hub: bool = True) -> List[DataSource]:
-    """Every source a DataConfig names (the mixture's, or data.path; then data.eval_path), located."""
+    """Every source a DataConfig names (the mixture's, or data.path; then data.eval_path and data.eval_sets), located."""
+    from ftctl.config.eval_sets import named_eval_sets
+
     named = [(f"data.mixture[{i}].path", m.path, m.split or d.split, m.subset if m.subset is not None else d.subset)
              for i, m in enumerate(d.mixture)] or [("data.path", d.path, d.split, d.subset)]
     named += [("data.eval_path", d.eval_path, d.eval_split, d.subset)] if d.eval_path else []
+    named += [(f"data.eval_sets.{name}.path", s.path, s.split or d.eval_split, s.subset if s.subset is not None else d.subset)
+              for name, s in named_eval_sets(d.eval_sets).items()]
     return [locate(value, key, split, subset, check_hub=check_hub) for key, value, split, subset in named]
 
 
