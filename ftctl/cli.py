@@ -21,7 +21,7 @@ commands:
   recipes        list the recipe presets: ftctl recipes [show NAME | cp NAME FILE]
   estimate       memory per rank by part: ftctl estimate recipe=NAME [key=value ...] [--json]
   models         list the built-in model aliases: ftctl models [--prepare NAME | --rebuild NAME]
-  eval           generate on held-out data and score it: ftctl eval model=NAME data.path=FILE [adapter=DIR] [n=50]
+  eval           score held-out data or harness tasks: ftctl eval model=NAME data.path=SOURCE [adapter=DIR] [metric=M] [harness=TASK]
   config-docs    every config key with its type, default and meaning
   data preview   show rendered examples with trained spans marked: ftctl data preview recipe=NAME n=3
   merge          fold an adapter into its base: ftctl merge adapter=DIR output=DIR [base=DIR] [dtype=float32]
@@ -188,12 +188,29 @@ def cmd_models(args) -> int:
 def cmd_eval(args) -> int:
     from ftctl.evaluation.evaluate import request_from_overrides
 
-    request = request_from_overrides(args.overrides)
+    request = request_from_overrides(args.overrides, args.config)
     from ftctl.evaluation.evaluate import run_eval
 
-    summary = run_eval(request)
-    print(f"eval: {summary['metric']} {summary['score']:.3f} ({summary['correct']}/{summary['n']}) -> {request.output}/eval.json")
+    result = run_eval(request)
+    sets = {None: result} if "metrics" in result else result.get("sets", {})
+    for name, summary in sets.items():
+        print(f"eval{' ' + name if name else ''}: {_scores_line(summary)} -> {request.output}/eval.json")
+    for task, scores in result.get("harness", {}).items():
+        print(f"eval harness {task}: " + ", ".join(f"{k} {v:.4g}" for k, v in scores.items() if "stderr" not in k and k != "sample_len"))
     return 0
+
+
+def _scores_line(summary: dict) -> str:
+    """'json_match 0.960 (48/50), rouge_l 0.981, perplexity 1.52' for one set's summary."""
+    parts = []
+    for metric, value in summary["metrics"].items():
+        if metric == "perplexity":
+            parts.append(f"perplexity {value:.4g} ({summary['perplexity']['tokens']} tokens)")
+        elif "correct" in summary and not parts:
+            parts.append(f"{metric} {value:.3f} ({summary['correct']}/{summary['n']})")
+        else:
+            parts.append(f"{metric} {value:.3f}")
+    return ", ".join(parts)
 
 
 def cmd_config_docs(args) -> int:
@@ -371,9 +388,10 @@ def build_parser() -> argparse.ArgumentParser:
     eval_help = "\n".join(f"  {key:<19} {text}" for key, text in EVAL_OPTIONS.items())
     evaluate = sub.add_parser(
         "eval", prog="ftctl eval", help="generate on held-out data and score it", formatter_class=argparse.RawDescriptionHelpFormatter,
-        description=f"ftctl eval model=NAME data.path=FILE [adapter=DIR] [key=value ...]\n\nkeys:\n{eval_help}",
+        description=f"ftctl eval model=NAME data.path=SOURCE [adapter=DIR] [key=value ...]\n\nkeys:\n{eval_help}",
     )
     evaluate.add_argument("overrides", nargs="*", help="key=value")
+    evaluate.add_argument("--config", metavar="FILE", help="take the model and the data keys (data.eval_path, data.eval_sets) from a config file")
     evaluate.set_defaults(func=cmd_eval)
     sub.add_parser("config-docs", help="document every config key").set_defaults(func=cmd_config_docs)
     merge_help = "\n".join(f"  {key:<11} {text}" for key, text in MERGE_KEYS.items())

@@ -61,3 +61,25 @@ def stages(desc: str, names: Sequence[str]) -> Iterator[Callable[[str], None]]:
             bar.set_postfix_str("done")
     finally:
         bar.close()
+
+
+@contextmanager
+def library_bars_follow_rule() -> Iterator[None]:
+    """Within the block, every tqdm bar a library opens (lm-eval, datasets) is off where :func:`progress_enabled`
+    says so; libraries pass ``disable=`` themselves, so only the class's own constructor can overrule them."""
+    if progress_enabled():
+        yield
+        return
+    import tqdm.std
+
+    original = tqdm.std.tqdm.__init__
+
+    def quiet(self, *args, **kwargs):
+        kwargs["disable"] = True
+        original(self, *args, **kwargs)
+
+    tqdm.std.tqdm.__init__ = quiet
+    try:
+        yield
+    finally:
+        tqdm.std.tqdm.__init__ = original
