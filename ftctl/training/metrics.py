@@ -39,8 +39,9 @@ class MetricsLogger:
             memory = record.get("mem_peak_alloc_gib", record.get("mem_peak_rss_gib"))
             extra = {"mem": f"{memory:.1f}G"} if isinstance(memory, (int, float)) else {}
             self._bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record.get('tokens_per_s', 0):.0f}", **extra, refresh=False)
-        if "eval_loss" in record:
-            log.info("step %d: eval_loss %.4f", step, record["eval_loss"])
+        scores = [f"{k} {v:.4f}" for k, v in record.items() if k.startswith("eval") and isinstance(v, float)]
+        if scores:
+            log.info("step %d: %s", step, ", ".join(scores))
 
     def advance(self) -> None:
         if self._bar is not None:

@@ -45,7 +45,10 @@ def draw_loss_curve(run_dir, output=None, title: Optional[str] = None) -> Path:
     run_dir = Path(run_dir)
     rows = read_metrics(run_dir)
     train = [(r["step"], r["loss"]) for r in rows if math.isfinite(r.get("loss", math.nan))]
-    evals = [(r["step"], r["eval_loss"]) for r in rows if math.isfinite(r.get("eval_loss", math.nan))]
+    # eval_loss, then each named eval set's eval/<name>_loss, as its own series of points
+    eval_keys = list(dict.fromkeys(k for r in rows for k in r if k == "eval_loss" or (k.startswith("eval/") and k.endswith("_loss"))))
+    series = {key: [(r["step"], r[key]) for r in rows if math.isfinite(r.get(key, math.nan))] for key in eval_keys}
+    evals = [point for points in series.values() for point in points]
     if not train and not evals:
         raise FtctlError(f"{run_dir}: no metrics.jsonl with losses to plot; pass the output_dir of a run that took a step")
     fig = Figure(figsize=(6, 3.6), dpi=120)
@@ -53,8 +56,10 @@ def draw_loss_curve(run_dir, output=None, title: Optional[str] = None) -> Path:
     ax = fig.add_subplot()
     if train:
         ax.plot(*zip(*train), label="train loss", color="tab:blue")
-    if evals:
-        ax.plot(*zip(*evals), "o", label="held-out loss", color="tab:orange")
+    for key, points in series.items():
+        if points:
+            label = "held-out loss" if key == "eval_loss" else f"{key[len('eval/'):-len('_loss')]} loss"
+            ax.plot(*zip(*points), "o", label=label, **({"color": "tab:orange"} if key == "eval_loss" else {}))
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("cross-entropy per trained token")

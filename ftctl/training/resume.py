@@ -28,6 +28,7 @@ RESUME_SAFE_KEYS = {
     "resume", "overwrite", "output_dir",
     "train.save_every", "train.keep_last", "train.log_every", "train.eval_every", "train.progress_bar",
     "train.tensorboard", "train.report_to", "train.plot", "train.num_threads", "train.max_nonfinite_steps",
+    "train.early_stopping_patience",
     "parallel.master_addr", "parallel.master_port", "parallel.rdzv_backend", "parallel.rdzv_id", "parallel.node_rank",
     "data.cache_dir",
 }

@@ -20,7 +20,7 @@ log = logging.getLogger("ftctl")
 CONFIG_FILE = "config.yaml"
 #: What a run writes into its dir; overwrite=true deletes exactly these.
 RUN_OUTPUTS = ("checkpoints", "final", "metrics.jsonl", "tensorboard", "train.log", DEEPSPEED_CONFIG_FILE, CONFIG_FILE,
-               "wandb", "mlruns", "trackers.json", "loss_curve.png")
+               "wandb", "mlruns", "trackers.json", "loss_curve.png", "best")
 
 
 def prepare_run_dir(cfg: RunConfig) -> Path:

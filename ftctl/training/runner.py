@@ -20,7 +20,7 @@ import torch
 from ftctl.config.schema import RunConfig
 from ftctl.config.validate import gradient_accumulation_steps
 from ftctl.data.batching import Batching, sampler_for
-from ftctl.data.dataset import build_datasets
+from ftctl.data.dataset import build_datasets, build_eval_sets
 from ftctl.errors import FtctlError
 from ftctl.data.prefetch import StepBatches
 from ftctl.methods import create_method
@@ -31,6 +31,7 @@ from ftctl.models.packed_attention import KernelCapabilities, choose_packed_kern
 from ftctl.parallel.backends import create_backend
 from ftctl.precision.policy import resolve_precision
 from ftctl.training.checkpoint import save_checkpoint
+from ftctl.training.evals import BestSoFar, RunEvals, save_result
 from ftctl.training.interrupts import NonFiniteGuard, StepOutcome, StopRequest, TrainingInterrupted
 from ftctl.training.loss import returns_head_output, token_loss_sum
 from ftctl.training.packing_check import check_packing
@@ -84,7 +85,8 @@ def _train(cfg: RunConfig, run_dir: Path, backend) -> TrainResult:
     model_path = resolve_model_path(cfg.model.name_or_path)
     tokenizer = load_tokenizer(cfg.model, model_path)
     train_data, eval_data = build_datasets(cfg.data, tokenizer, cfg.seed)
-    _log_data(backend, train_data, eval_data, t.eval_every)
+    evals = RunEvals(eval_data, build_eval_sets(cfg.data, tokenizer), cfg.data, t.eval_every)
+    _log_data(backend, train_data, eval_data, evals)
     steps = total_steps(t, len(train_data))
     if backend.is_main and t.epochs is not None:
         log.info("train.epochs=%g over %d train examples: %d steps of %d examples", t.epochs, len(train_data), steps, t.global_batch_size)
@@ -99,6 +101,8 @@ def _train(cfg: RunConfig, run_dir: Path, backend) -> TrainResult:
     resume_from = resume_checkpoint(cfg, run_dir)
     if resume_from is not None:
         method.load_checkpoint_weights(model, resume_from)
+    best = BestSoFar(t, run_dir, backend.is_main)
+    best.restore(resume_from)
     if t.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if t.compile:
@@ -129,7 +133,11 @@ def _train(cfg: RunConfig, run_dir: Path, backend) -> TrainResult:
 
     def checkpoint(step: int):
         return save_checkpoint(run_dir, step, backend=backend, engine=engine, method=method, model=model,
-                               tokenizer=tokenizer, extra={"loss": outcome.loss if outcome else None, "parallel": cfg.parallel.name}, keep_last=t.keep_last)
+                               tokenizer=tokenizer, extra={"loss": outcome.loss if outcome else None, "parallel": cfg.parallel.name, **best.state()},
+                               keep_last=t.keep_last)
+
+    def save_best(directory, info):
+        save_result(directory, backend=backend, engine=engine, method=method, model=model, tokenizer=tokenizer, info=info)
 
     if backend.is_main:  # only now: a run that fails while loading leaves no run dir to announce
         announce_run_dir(run_dir)
@@ -149,15 +157,20 @@ def _train(cfg: RunConfig, run_dir: Path, backend) -> TrainResult:
                 window.add(batches, outcome.loss, outcome.global_tokens, backend)
                 done = step + 1
                 metrics.advance()
-                if done % t.log_every == 0 or done == steps:
+                scores = evals.run(engine, make_batches, backend, precision) if evals.due(done, steps) else None
+                stopping = scores is not None and best.observe(done, scores)
+                if done % t.log_every == 0 or done == steps or stopping:
                     metrics.log(done, {**window.take(), "lr": lr, "grad_norm": outcome.grad_norm,
                                        "epoch": sampler.epoch(done), **engine.scaler_metrics()})
-                if eval_data is not None and ((t.eval_every and done % t.eval_every == 0) or done == steps):
-                    eval_loss = evaluate(engine, eval_data, make_batches, backend, precision)
-                    metrics.log(done, {"eval_loss": eval_loss})
+                if scores is not None:
+                    metrics.log(done, scores)
+                    eval_loss = next(iter(scores.values()))
+                    best.act(done, save_best)  # best/ and the early-stopping line
                 # And at the end: a finished run can then be extended to more steps (resume=auto).
-                if t.save_every and (done % t.save_every == 0 or done == steps):
+                if t.save_every and (done % t.save_every == 0 or done == steps or stopping):
                     checkpoint(done)
+                if stopping:
+                    break
                 if stop.requested(backend):
                     raise TrainingInterrupted(
                         f"{stop.signal_name} at step {done}: checkpoint saved to {checkpoint(done)}; continue with "
@@ -173,8 +186,10 @@ def _train(cfg: RunConfig, run_dir: Path, backend) -> TrainResult:
     if backend.is_main:
         method.save(model, tokenizer, final_dir, state_dict=method.trainable_state_dict(model, state))
         log.info("saved %s result to %s (final loss %.4f)", method.name, final_dir, outcome.loss)
+        if best.summary():
+            log.info(best.summary())
     backend.barrier()
-    return TrainResult(run_dir, final_dir, steps, outcome.loss, eval_loss, model)
+    return TrainResult(run_dir, final_dir, best.stopped_at or steps, outcome.loss, eval_loss, model)
 
 
 def train_step(engine, batches, backend, precision, max_grad_norm: float) -> StepOutcome:
@@ -201,31 +216,17 @@ def train_step(engine, batches, backend, precision, max_grad_norm: float) -> Ste
     return StepOutcome(loss, result.grad_norm, result.skipped, int(global_tokens))
 
 
-@torch.no_grad()
-def evaluate(engine, eval_data, make_batches, backend, precision) -> float:
-    """Mean token loss over the whole eval split; ranks take interleaved examples and sum."""
-    engine.module.eval()
-    indices = list(range(backend.rank, len(eval_data), backend.world_size))
-    total = torch.zeros((), dtype=torch.float64, device=backend.device)  # summed on the device: no read per batch
-    tokens = torch.zeros((), dtype=torch.float64)
-    for batch in make_batches(eval_data, indices):
-        with precision.autocast():
-            total += token_loss_sum(engine.module, batch, backend.device).double()
-        tokens += batch.trained_tokens
-    total = total.cpu()
-    engine.module.train()
-    return float(backend.all_reduce_sum(total) / backend.all_reduce_sum(tokens).clamp(min=1))
-
-
-def _log_data(backend, train_data, eval_data, eval_every: int = 0) -> None:
+def _log_data(backend, train_data, eval_data, evals: RunEvals) -> None:
     if not backend.is_main:
         return
-    if eval_every and eval_data is None:
-        log.warning("train.eval_every=%d, but there is no eval data (data.eval_path or data.eval_fraction): no eval runs", eval_every)
+    if evals.eval_every and not evals:
+        log.warning("train.eval_every=%d, but there is no eval data (data.eval_path, data.eval_fraction or data.eval_sets): "
+                    "no eval runs", evals.eval_every)
     s = train_data.stats
     log.info(
-        "data: %d train examples (%d trained tokens), %d eval; %d truncated to max_seq_len, %d dropped with no trained token; cache %s",
+        "data: %d train examples (%d trained tokens), %d eval%s; %d truncated to max_seq_len, %d dropped with no trained token; cache %s",
         len(train_data), train_data.trained_tokens(), len(eval_data) if eval_data is not None else 0,
+        "".join(f", {n} in eval set {name}" for name, n in evals.named_sizes.items()),
         s.get("truncated", 0), s.get("dropped_no_trained_tokens", 0), s.get("cache", "-"),
     )
     if s.get("mixture"):
