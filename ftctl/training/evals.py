@@ -1,8 +1,8 @@
 """Evals during training: the eval sets a run scores, the best checkpoint it keeps, and early stopping.
 
-A run scores ``eval_loss`` on data.eval_path / eval_fraction and ``eval/<name>_loss`` on each named set
-of data.eval_sets (and ``eval/<name>_perplexity`` where the set lists perplexity), every
-``train.eval_every`` steps and at the end. :class:`BestSoFar` compares ``train.best_metric`` (lower is
+A run scores, with the runner's ``evaluate``, ``eval_loss`` on data.eval_path / eval_fraction and
+``eval/<name>_loss`` on each named set of data.eval_sets (and ``eval/<name>_perplexity`` where the set
+lists perplexity), every ``train.eval_every`` steps and at the end. :class:`BestSoFar` compares ``train.best_metric`` (lower is
 better): with ``train.keep_best`` every better value writes the weights to ``<output_dir>/best/`` (a
 result dir like final/, plus ``best.json``), and ``train.early_stopping_patience`` evals in a row
 without a better value stop the run. Its record travels in every checkpoint's trainer_state.json, so
@@ -19,33 +19,14 @@ import shutil
 from pathlib import Path
 from typing import Callable, Dict, Optional
 
-import torch
-
 from ftctl.config.eval_sets import DEFAULT_EVAL_KEY, metric_names, named_eval_sets, set_metric_key
 from ftctl.training.checkpoint import STATE_FILE
-from ftctl.training.loss import token_loss_sum
 
 log = logging.getLogger("ftctl")
 
 BEST_DIR = "best"
 BEST_FILE = "best.json"
 _STATE_KEY = "best_so_far"  # in trainer_state.json
-
-
-@torch.no_grad()
-def evaluate(engine, eval_data, make_batches, backend, precision) -> float:
-    """Mean token loss over the whole eval split; ranks take interleaved examples and sum."""
-    engine.module.eval()
-    indices = list(range(backend.rank, len(eval_data), backend.world_size))
-    total = torch.zeros((), dtype=torch.float64, device=backend.device)  # summed on the device: no read per batch
-    tokens = torch.zeros((), dtype=torch.float64)
-    for batch in make_batches(eval_data, indices):
-        with precision.autocast():
-            total += token_loss_sum(engine.module, batch, backend.device).double()
-        tokens += batch.trained_tokens
-    total = total.cpu()
-    engine.module.train()
-    return float(backend.all_reduce_sum(total) / backend.all_reduce_sum(tokens).clamp(min=1))
 
 
 class RunEvals:
@@ -65,17 +46,18 @@ class RunEvals:
     def due(self, done: int, steps: int) -> bool:
         return bool(self.sets) and ((self.eval_every and done % self.eval_every == 0) or done == steps)
 
-    def run(self, engine, make_batches, backend, precision) -> Dict[str, float]:
-        """Every set's mean token loss (the same value on every rank), and the perplexities asked for."""
+    def run(self, mean_loss: Callable[[object], float]) -> Dict[str, float]:
+        """Every set's mean token loss (``mean_loss(dataset)``, the runner's evaluate: the same value on every rank),
+        and the perplexities asked for."""
         values = {}
         for key, data in self.sets:
-            values[key] = evaluate(engine, data, make_batches, backend, precision)
+            values[key] = mean_loss(data)
             if key in self.perplexity:
                 values[self.perplexity[key]] = math.exp(min(values[key], 700.0))  # exp(700) is still a float
         return values
 
 
-def save_result(directory: Path, *, backend, engine, method, model, tokenizer, info: dict) -> None:
+def write_weights(directory: Path, *, backend, engine, method, model, tokenizer, info: dict) -> None:
     """Write the current weights as a result dir (what final/ holds) plus ``best.json``; complete or absent.
 
     Every rank calls this: gathering a sharded model's state is collective.

@@ -31,7 +31,7 @@ from ftctl.models.packed_attention import KernelCapabilities, choose_packed_kern
 from ftctl.parallel.backends import create_backend
 from ftctl.precision.policy import resolve_precision
 from ftctl.training.checkpoint import save_checkpoint
-from ftctl.training.evals import BestSoFar, RunEvals, save_result
+from ftctl.training.evals import BestSoFar, RunEvals, write_weights
 from ftctl.training.interrupts import NonFiniteGuard, StepOutcome, StopRequest, TrainingInterrupted
 from ftctl.training.loss import returns_head_output, token_loss_sum
 from ftctl.training.packing_check import check_packing
@@ -137,7 +137,7 @@ def _train(cfg: RunConfig, run_dir: Path, backend) -> TrainResult:
                                keep_last=t.keep_last)
 
     def save_best(directory, info):
-        save_result(directory, backend=backend, engine=engine, method=method, model=model, tokenizer=tokenizer, info=info)
+        write_weights(directory, backend=backend, engine=engine, method=method, model=model, tokenizer=tokenizer, info=info)
 
     if backend.is_main:  # only now: a run that fails while loading leaves no run dir to announce
         announce_run_dir(run_dir)
@@ -157,7 +157,7 @@ def _train(cfg: RunConfig, run_dir: Path, backend) -> TrainResult:
                 window.add(batches, outcome.loss, outcome.global_tokens, backend)
                 done = step + 1
                 metrics.advance()
-                scores = evals.run(engine, make_batches, backend, precision) if evals.due(done, steps) else None
+                scores = evals.run(lambda data: evaluate(engine, data, make_batches, backend, precision)) if evals.due(done, steps) else None
                 stopping = scores is not None and best.observe(done, scores)
                 if done % t.log_every == 0 or done == steps or stopping:
                     metrics.log(done, {**window.take(), "lr": lr, "grad_norm": outcome.grad_norm,
@@ -214,6 +214,22 @@ def train_step(engine, batches, backend, precision, max_grad_norm: float) -> Ste
     result = engine.step(max_grad_norm)
     loss = float(backend.all_reduce_sum(loss_sum)) / global_tokens if global_tokens else float("nan")
     return StepOutcome(loss, result.grad_norm, result.skipped, int(global_tokens))
+
+
+@torch.no_grad()
+def evaluate(engine, eval_data, make_batches, backend, precision) -> float:
+    """Mean token loss over the whole eval split; ranks take interleaved examples and sum."""
+    engine.module.eval()
+    indices = list(range(backend.rank, len(eval_data), backend.world_size))
+    total = torch.zeros((), dtype=torch.float64, device=backend.device)  # summed on the device: no read per batch
+    tokens = torch.zeros((), dtype=torch.float64)
+    for batch in make_batches(eval_data, indices):
+        with precision.autocast():
+            total += token_loss_sum(engine.module, batch, backend.device).double()
+        tokens += batch.trained_tokens
+    total = total.cpu()
+    engine.module.train()
+    return float(backend.all_reduce_sum(total) / backend.all_reduce_sum(tokens).clamp(min=1))
 
 
 def _log_data(backend, train_data, eval_data, evals: RunEvals) -> None:
