@@ -9,13 +9,15 @@ in well under a second, for a 7B model as for a tiny one. The parts:
   or 8-bit with a small fp32 second level under double quantisation), the rest (embeddings,
   norms, head) sits in the compute dtype like a LoRA base.
 * gradients: fp32, one per trained parameter. DDP adds its bucket copy of them.
-* optimizer states: AdamW's two fp32 moments per trained parameter (8-bit AdamW: two bytes);
-  DeepSpeed also keeps an fp32 master copy of the partition it optimises (12 bytes in all).
+* optimizer states: AdamW's two fp32 moments per trained parameter (8-bit AdamW: two bytes;
+  the other optimizers: :func:`optimizer_state_bytes`); DeepSpeed also keeps an fp32 master copy
+  of the partition it optimises (12 bytes in all with AdamW).
 * activations: the tensors autograd keeps from forward to backward for one micro-batch of
   ``micro_batch_size × data.max_seq_len`` tokens, counted tensor by tensor for a pre-norm Llama
   layer with sdpa attention and peft's LoRA layers (see :func:`layer_activation_elements`), plus
-  the loss and a backward working set. With gradient checkpointing only each layer's input stays,
-  and one layer is recomputed at a time.
+  the loss and a backward working set. With gradient checkpointing only each checkpointed layer's
+  input stays (every layer, or every k-th with ``train.gradient_checkpointing_every``; the others
+  keep all of theirs), and one layer is recomputed at a time.
 * sharding over N ranks divides exactly what the backend shards: ZeRO-1 the optimizer states,
   ZeRO-2 also the gradients, ZeRO-3 and FSDP also the weights (ZeRO-3 keeps parameters smaller
   than ``parallel.zero3_persistence_threshold`` whole). Sharded weights are gathered one layer at a
@@ -29,6 +31,7 @@ accumulation); it is an upper bound by up to the smaller of gradients and activa
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Dict, List, Tuple
@@ -169,7 +172,9 @@ def estimate_memory(cfg: RunConfig, model_config: dict, source: str = "config") 
     gradients = trainable * (2 if ds_fp16 else 4) * (2 if p.name == "ddp" else 1)
     if p.name == "ddp":
         notes.append("ddp: gradients counted twice (DDP's communication buckets hold a copy)")
-    optimizer_per_param = {"adamw": 8, "paged_adamw_32bit": 8}.get(t.optimizer, 2 + 8 / ADAM_8BIT_BLOCK)
+    optimizer_per_param = optimizer_state_bytes(t, m, arch)
+    if t.optimizer == "adafactor":
+        notes.append("adafactor: factored second moments counted as one fp32 row and column per matrix")
     optimizer = trainable * (optimizer_per_param + (4 if deepspeed else 0))
 
     # Sharding.
@@ -199,15 +204,21 @@ def estimate_memory(cfg: RunConfig, model_config: dict, source: str = "config") 
     # full fine-tuning (master weights), compute for the frozen bases of LoRA, DoRA and QLoRA.
     matmul_dtype = compute
     stream_dtype = 4 if m.name == "full" else compute
-    full_act, ckpt_act, act_notes = activation_bytes(arch, cfg, adapted, tokens, stream_dtype, matmul_dtype)
+    full_act, ckpt_act, act_notes = activation_bytes(arch, cfg, adapted, tokens, stream_dtype, matmul_dtype,
+                                                     every=t.gradient_checkpointing_every)
     if m.name == "full" and compute < 4 and not deepspeed:
         # Under autocast every fp32 master weight of a linear layer is cast to the compute dtype for
         # its matmul, and backward keeps that copy for the input's gradient: one copy of all decoder
-        # linear weights from forward to backward (one layer's with checkpointing, recomputed in turn).
+        # linear weights from forward to backward (with checkpointing, those of the layers left out and
+        # of the one recomputed in turn).
         layer_linear = sum(i * o for i, o, _ in arch.linear_shapes().values())
+        left_out = arch.layers - math.ceil(arch.layers / t.gradient_checkpointing_every)
         full_act += arch.layers * layer_linear * compute
-        ckpt_act += layer_linear * compute
+        ckpt_act += (left_out + 1) * layer_linear * compute
     notes += act_notes
+    if t.gradient_checkpointing_every > 1:
+        notes.append(f"gradient checkpointing of one decoder layer in {t.gradient_checkpointing_every} "
+                     f"({math.ceil(arch.layers / t.gradient_checkpointing_every)} of {arch.layers})")
     activations = ckpt_act if t.gradient_checkpointing else full_act
 
     # DeepSpeed reduces gradients through fp32 buckets of ftctl's reduce_bucket_size; ZeRO-2 on GPUs
@@ -375,9 +386,20 @@ def layer_activation_elements(arch: Architecture, method: str, adapted: set, dro
     return stream, matmul, masks
 
 
+def optimizer_state_bytes(t, m, arch: Architecture) -> float:
+    """Bytes of optimizer state per trained parameter for ``train.optimizer``."""
+    absmax = 4 / ADAM_8BIT_BLOCK  # 8-bit states keep one fp32 scale per block
+    if t.optimizer in ("adamw_8bit", "paged_adamw_8bit"):
+        return 2 * (1 + absmax)
+    if t.optimizer == "adafactor":
+        # A (rows × cols) matrix keeps rows + cols fp32 numbers; an adapter matrix has r on one side.
+        return 4 * (1 / m.r + 1 / arch.hidden) if m.name != "full" else 4 * 2 / arch.hidden
+    return {"lion": 4, "lion_8bit": 1 + absmax, "sgd": 4 if t.sgd_momentum else 0}.get(t.optimizer, 8)  # AdamW kinds: 2 moments
+
+
 def activation_bytes(arch: Architecture, cfg: RunConfig, adapted: set, tokens: int, stream_dtype: int,
-                     matmul_dtype: int) -> Tuple[float, float, List[str]]:
-    """(without checkpointing, with checkpointing, notes) for one micro-batch of ``tokens`` tokens."""
+                     matmul_dtype: int, every: int = 1) -> Tuple[float, float, List[str]]:
+    """(without checkpointing, with checkpointing of every ``every``-th layer, notes) for one micro-batch of ``tokens`` tokens."""
     m = cfg.method
     notes: List[str] = []
     dora = m.name != "full" and (m.use_dora or m.name == "dora")
@@ -407,8 +429,11 @@ def activation_bytes(arch: Architecture, cfg: RunConfig, adapted: set, tokens: i
     # Backward working set: the gradient of the residual stream and of one MLP's intermediates.
     working = tokens * (2 * h * stream_dtype + 2 * i * matmul_dtype)
     without = layers + head + working
-    # Checkpointing keeps each layer's input and recomputes one layer at a time in backward.
-    with_ckpt = arch.layers * tokens * h * stream_dtype + per_layer + head + working
+    # Checkpointing keeps each checkpointed layer's input and recomputes one layer at a time in backward;
+    # the layers left out (every > 1) keep all of theirs.
+    checkpointed = math.ceil(arch.layers / every)
+    kept_whole = layers * (arch.layers - checkpointed) / arch.layers
+    with_ckpt = checkpointed * tokens * h * stream_dtype + kept_whole + per_layer + head + working
     return without, with_ckpt, notes
 
 

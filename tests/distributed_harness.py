@@ -100,6 +100,9 @@ class StopAfterSteps:
         return StopAfter()
 
 
+FULL_SIZE_STATES = ("exp_avg", "state1", "momentum_buffer", "z")
+
+
 def measure(engine, model, rank: int, world: int, grad_numel_before_step, compute_dtypes=()) -> dict:
     trainable = [p for p in model.parameters() if p.requires_grad]
     frozen = [p for p in model.parameters() if not p.requires_grad]
@@ -110,7 +113,10 @@ def measure(engine, model, rank: int, world: int, grad_numel_before_step, comput
             dtensor_shard0 += 1
             rows_as_expected += p.to_local().shape[0] == expected_shard_rows(p.shape[0], rank, world)
     optimizer = getattr(engine.optimizer, "optimizer", engine.optimizer)  # DeepSpeed's ZeRO wraps torch's
-    states = [s for s in optimizer.state.values() if "exp_avg" in s]
+    # The state each optimizer keeps as large as a parameter: AdamW's first moment, bitsandbytes' first
+    # state, SGD's momentum, schedule-free's z (Adafactor keeps none: its statistics are factored).
+    states = [next(s[k] for k in FULL_SIZE_STATES if k in s) for s in optimizer.state.values()
+              if any(k in s for k in FULL_SIZE_STATES)]
     return {
         "module_type": type(engine.module).__name__,
         "trainable_full": sum(full_numel(p) for p in trainable),
@@ -122,8 +128,8 @@ def measure(engine, model, rank: int, world: int, grad_numel_before_step, comput
         "shard_rows_as_expected": rows_as_expected,
         "released_params": sum(p.data.numel() == 0 for p in model.parameters()),  # ZeRO-3 frees gathered data
         "param_count": sum(1 for _ in model.parameters()),
-        "optimizer_state_local": sum(local_numel(s["exp_avg"]) for s in states),
-        "optimizer_state_dtypes": sorted({str(s["exp_avg"].dtype) for s in states}),
+        "optimizer_state_local": sum(local_numel(s) for s in states),
+        "optimizer_state_dtypes": sorted({str(s.dtype) for s in states}),
         "trainable_dtypes": sorted({str(getattr(p, "ds_tensor", p).dtype) for p in trainable}),
         "grad_local_before_first_step": grad_numel_before_step,
         "compute_dtypes": sorted(compute_dtypes),

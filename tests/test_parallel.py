@@ -43,6 +43,16 @@ HARNESS_TIMEOUT = 900  # a guard against a hang; the launch takes 2-4 minutes on
 # DoRA and QLoRA runs also recompute activations in backward. Neither changes the numbers.
 EXTRA = {"dora": ["data.eval_fraction=0.125"], "fsdp": ["train.gradient_checkpointing=true"], "zero3": ["train.gradient_checkpointing=true"]}
 HERE = Path(__file__).resolve().parent
+#: The optimizers beyond AdamW (tests/test_training_options.py), each with its settings; full fine-tuning
+#: where bitsandbytes' 8-bit state needs large tensors or Adafactor's relative steps need non-zero weights.
+OPTIMIZERS = {
+    "adafactor": ["method=full", "train.optimizer=adafactor", "train.lr=1e-2"],
+    "lion": ["method=full", "train.optimizer=lion", "train.lr=1e-3"],
+    "sgd": ["method=full", "train.optimizer=sgd", "train.lr=0.2", "train.sgd_momentum=0.9", "train.sgd_nesterov=true"],
+    "schedule_free": ["method=lora", "train.optimizer=schedule_free_adamw", "train.lr_scheduler=constant", "data.eval_fraction=0.125"],
+}
+#: Each on backends that run it (ftctl.parallel.support refuses the others before launch).
+OPTIMIZER_JOBS = [("ddp", "adafactor"), ("zero2", "lion"), ("zero3", "sgd"), ("fsdp", "sgd"), ("fsdp", "schedule_free")]
 
 
 @pytest.fixture(scope="module")
@@ -121,6 +131,19 @@ def references(common, tmp_path_factory):
     return runs
 
 
+@pytest.fixture(scope="module")
+def optimizer_references(common, tmp_path_factory):
+    from ftctl.config.compose import compose_config
+    from ftctl.training.run_dir import prepare_run_dir
+    from ftctl.training.runner import train
+
+    root = tmp_path_factory.mktemp("single-optimizers")
+    for name, overrides in OPTIMIZERS.items():
+        cfg = compose_config([*common, "parallel=single", *overrides, f"output_dir={root / name}"])
+        train(cfg, prepare_run_dir(cfg))
+    return root
+
+
 # ----------------------------------------------------------------------------------------------
 # the shared torchrun launch
 
@@ -157,6 +180,15 @@ def harness_jobs(root: Path) -> list:
                                                  f"output_dir={root}/fsdp-lora-packed"]},
         {"id": "zero3-lora-packed", "overrides": ["parallel=zero3", "method=lora", "data.packing=true",
                                                   f"output_dir={root}/zero3-lora-packed"]},
+        *[{"id": f"{b}-{name}", "overrides": [f"parallel={b}", *OPTIMIZERS[name], f"output_dir={root}/{b}-{name}"]}
+          for b, name in OPTIMIZER_JOBS],
+        # 8-bit Lion on ZeRO's flat partitions, and schedule-free AdamW stopped and resumed under FSDP.
+        {"id": "zero3-lion_8bit", "overrides": ["parallel=zero3", "method=full", "train.optimizer=lion_8bit", "train.lr=1e-3",
+                                                 f"output_dir={root}/zero3-lion_8bit"]},
+        {"id": "fsdp-schedule_free-interrupted", "stop_after_step": 2,
+         "overrides": ["parallel=fsdp", *OPTIMIZERS["schedule_free"], f"output_dir={root}/fsdp-schedule_free-interrupted"]},
+        {"id": "fsdp-schedule_free-resumed", "overrides": ["parallel=fsdp", *OPTIMIZERS["schedule_free"], "resume=auto",
+                                                           f"output_dir={root}/fsdp-schedule_free-interrupted"]},
         # `ftctl train` itself, started once per rank by torchrun: it must train in place.
         {"id": "cli-in-place", "cli": True, "overrides": ["parallel=ddp", "method=lora", f"output_dir={root}/cli-in-place"]},
         # ... and, failing before its first step (every example too long), leave no run dir behind.
@@ -167,7 +199,7 @@ def harness_jobs(root: Path) -> list:
 
 
 @pytest.fixture(scope="module")
-def harness(common, references, tmp_path_factory):
+def harness(common, references, optimizer_references, tmp_path_factory):
     """Run every job in one 2-process torchrun launch; returns (evidence by job id, runs root)."""
     root = tmp_path_factory.mktemp("distributed")
     plan = root / "plan.json"
@@ -204,18 +236,19 @@ def test_backend_really_distributes(harness, backend, method):
         assert r["compute_dtypes"] == ["torch.float32"]
 
 
-def assert_distributed_by(backend, r0, r1, evaluated=False):
+def assert_distributed_by(backend, r0, r1, evaluated=False, full_size_state=True):
     """What each rank holds is what the backend shards: a silent fallback to another backend fails here.
 
     ``evaluated``: the job ended with an eval pass, after which ZeRO-3 was seen to leave 21 of the DoRA
-    model's 63 parameters gathered, so only their partitions are checked."""
+    model's 63 parameters gathered, so only their partitions are checked. ``full_size_state=False``:
+    the optimizer keeps no state as large as the parameters (Adafactor), so none is counted."""
     full = r0["trainable_full"]
     assert r1["trainable_full"] == full and full > 0
     half = full / WORLD
     if backend == "ddp":
         assert r0["module_type"] == "DistributedDataParallel"
         for r in (r0, r1):  # everything replicated
-            assert r["trainable_local"] == full and r["optimizer_state_local"] == full
+            assert r["trainable_local"] == full and r["optimizer_state_local"] == (full if full_size_state else 0)
             assert r["grad_local_before_first_step"] == full
     elif backend == "fsdp":
         assert r0["module_type"].startswith("FSDP")
@@ -293,6 +326,35 @@ def test_dora_qlora_and_offload_match_single_process(harness, references, job, r
     if job in ("fsdp-qlora", "zero3-qlora"):  # the packed 4-bit codes are sharded like any weight
         for r in (r0, r1):
             assert r["frozen_local"] <= r["frozen_full"] / WORLD * 1.05
+
+
+@pytest.mark.parametrize("backend, optimizer", OPTIMIZER_JOBS)
+def test_other_optimizers_match_single_process(harness, optimizer_references, backend, optimizer):
+    _, root = harness
+    run, reference = root / f"{backend}-{optimizer}", optimizer_references / optimizer
+    loss_difference = max_relative_curve_difference(run, reference)
+    weight_difference = max_weight_difference(run, reference)
+    print(f"{backend}-{optimizer}: max relative loss difference {loss_difference:.2e}, max weight difference {weight_difference:.2e}")
+    assert loss_difference <= LOSS_RTOL
+    assert weight_difference <= WEIGHT_ATOL
+    if optimizer == "schedule_free":  # evaluated at its average on every rank
+        assert _eval_loss(run) == pytest.approx(_eval_loss(reference), rel=LOSS_RTOL)
+    assert_distributed_by(backend, *ranks(harness, f"{backend}-{optimizer}"), evaluated=optimizer == "schedule_free",
+                          full_size_state=optimizer != "adafactor")
+
+
+def test_lion_8bit_trains_on_zero_partitions_and_schedule_free_resumes_exactly_under_fsdp(harness):
+    _, root = harness
+    curve = [m["loss"] for m in _losses(root / "zero3-lion_8bit").values()]
+    assert len(curve) == STEPS and curve[-1] < curve[0]
+    assert_distributed_by("zero3", *ranks(harness, "zero3-lion_8bit"))
+    # 8-bit blocks for the matrices' partition; the norms' partition is below bitsandbytes' 4096 elements.
+    assert all(r["optimizer_state_dtypes"] == ["torch.float32", "torch.uint8"] for r in ranks(harness, "zero3-lion_8bit"))
+    assert [r["interrupted"] for r in ranks(harness, "fsdp-schedule_free-interrupted")] == [True, True]
+    resumed, original = root / "fsdp-schedule_free-interrupted", root / "fsdp-schedule_free"
+    assert max_relative_curve_difference(resumed, original) <= 1e-6
+    assert max_weight_difference(resumed, original) <= 1e-6
+    assert _eval_loss(resumed) == pytest.approx(_eval_loss(original), rel=1e-6)
 
 
 @pytest.mark.parametrize("job", ["fsdp-lora-packed", "zero3-lora-packed"])

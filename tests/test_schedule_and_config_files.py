@@ -81,7 +81,7 @@ def test_constant_and_cosine_schedules():
     [
         (["train.max_steps=10", "train.epochs=2"], "train.max_steps=10 and train.epochs=2 are both set; keep one"),
         (["train.warmup_steps=3", "train.warmup_ratio=0.1"], "train.warmup_steps=3 and train.warmup_ratio=0.1 are both set"),
-        (["train.lr_scheduler=cosin"], "train.lr_scheduler='cosin' is not one of cosine, linear, constant. Did you mean 'cosine'?"),
+        (["train.lr_scheduler=cosin"], "train.lr_scheduler='cosin' is not one of cosine, linear, constant, cosine_restarts, wsd. Did you mean 'cosine'?"),
         (["train.epochs=0"], "train.epochs=0.0 must be > 0"),
         (["train.warmup_ratio=1.5"], "train.warmup_ratio=1.5 must be in [0, 1)"),
     ],

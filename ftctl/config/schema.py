@@ -161,18 +161,45 @@ class TrainConfig:
     global_batch_size: int = option(8, "Examples per optimizer step over all ranks; accumulation is derived.")
     lr: float = option(2e-4, "Peak learning rate.")
     min_lr_ratio: float = option(0.1, "Floor of the cosine and linear decay as a fraction of lr.")
-    lr_scheduler: str = option("cosine", "After warmup: cosine or linear decay to min_lr_ratio × lr, or constant lr.")
+    lr_scheduler: str = option(
+        "cosine", "After warmup: cosine, linear, cosine_restarts, wsd or constant. cosine/linear decay to min_lr_ratio × lr; "
+        "cosine_restarts runs train.lr_cycles cosines, each restarting at lr; wsd (warmup-stable-decay) holds lr until "
+        "the last train.wsd_decay_ratio of the steps, then decays (train.wsd_decay_shape) to min_lr_ratio × lr at the last step."
+    )
+    lr_cycles: int = option(1, "cosine_restarts: cosine cycles over the steps after warmup; 1 is plain cosine.")
+    wsd_decay_ratio: float = option(0.1, "wsd: share of the run's steps (rounded up) in the final decay, in (0, 1).")
+    wsd_decay_shape: str = option("linear", "wsd: shape of the final decay: linear, cosine or 1-sqrt.")
     warmup_steps: int = option(0, "Linear warmup steps before the decay. Set this or train.warmup_ratio, not both.")
     warmup_ratio: float = option(0.0, "Warmup as a share of the run's steps (rounded up), instead of warmup_steps.")
-    weight_decay: float = option(0.0, "AdamW decoupled weight decay.")
-    adam_beta1: float = option(0.9, "AdamW beta1.")
-    adam_beta2: float = option(0.999, "AdamW beta2.")
-    adam_eps: float = option(1e-8, "AdamW epsilon.")
-    optimizer: str = option(
-        "adamw", "adamw, bitsandbytes adamw_8bit (8-bit states, any device), or paged_adamw_8bit / paged_adamw_32bit (CUDA only)."
+    weight_decay: float = option(
+        0.0, "Weight decay of matrices (biases and norms are not decayed): decoupled for AdamW, Adafactor, Lion and "
+        "schedule-free AdamW, an L2 term in the gradient for SGD (torch's)."
     )
+    adam_beta1: float = option(0.9, "beta1 of AdamW, Lion and schedule-free AdamW (as in transformers' Trainer).")
+    adam_beta2: float = option(0.999, "beta2 of AdamW, Lion (its paper uses 0.99) and schedule-free AdamW.")
+    adam_eps: float = option(1e-8, "AdamW and schedule-free AdamW epsilon.")
+    optimizer: str = option(
+        "adamw", "adamw, adamw_8bit, paged_adamw_8bit, paged_adamw_32bit, adafactor, lion, lion_8bit, sgd or "
+        "schedule_free_adamw. bitsandbytes: the 8-bit/paged AdamWs (paged: CUDA only) and Lion (a 3-10× smaller lr than "
+        "AdamW), not with FSDP; torch's Adafactor (single and DDP); sgd (train.sgd_momentum, train.sgd_nesterov); "
+        "schedule_free_adamw (needs train.lr_scheduler=constant; evaluates and saves its averaged weights; not with ZeRO)."
+    )
+    sgd_momentum: float = option(0.0, "sgd: momentum factor; 0 is plain SGD.")
+    sgd_nesterov: bool = option(False, "sgd: Nesterov momentum (needs sgd_momentum > 0).")
     max_grad_norm: float = option(1.0, "Gradient clipping norm; 0 disables clipping.")
     gradient_checkpointing: bool = option(False, "Recompute activations in backward to save memory.")
+    gradient_checkpointing_every: int = option(
+        1, "With gradient_checkpointing: checkpoint every k-th decoder layer only (layers 0, k, 2k, ...); the others "
+        "keep their activations. 1 checkpoints all; larger trades memory back for speed."
+    )
+    neftune_alpha: float = option(
+        0.0, "NEFTune: uniform noise of magnitude alpha / sqrt(L × d) added to the input embeddings in training "
+        "forwards only (L the batch's padded or packed row length, d the hidden size); 0 = off. The paper uses 5-15."
+    )
+    kernels: str = option(
+        "ftctl", "ftctl (its own one-node RMSNorm and chunked head loss, any device) or liger (liger-kernel's Triton "
+        "RMSNorm, SwiGLU, RoPE and fused linear cross-entropy; CUDA only, pip install 'ftctl[liger]')."
+    )
     log_every: int = option(1, "Write a metrics line every this many steps.")
     eval_every: int = option(0, "Eval loss every this many steps; 0 = only at the end when an eval split exists.")
     save_every: int = option(0, "Checkpoint every this many steps; 0 = no intermediate checkpoints.")
@@ -228,7 +255,11 @@ class RunConfig:
 METHODS = ("full", "lora", "qlora", "dora")
 PARALLEL_BACKENDS = ("single", "ddp", "fsdp", "zero1", "zero2", "zero3")
 PRECISIONS = ("fp32", "bf16", "fp16", "auto")
-LR_SCHEDULERS = ("cosine", "linear", "constant")
+LR_SCHEDULERS = ("cosine", "linear", "constant", "cosine_restarts", "wsd")
+WSD_DECAY_SHAPES = ("linear", "cosine", "1-sqrt")
+OPTIMIZERS = ("adamw", "adamw_8bit", "paged_adamw_8bit", "paged_adamw_32bit", "adafactor", "lion", "lion_8bit", "sgd",
+              "schedule_free_adamw")
+KERNELS = ("ftctl", "liger")
 #: Steps a run takes when neither train.max_steps nor train.epochs is set.
 DEFAULT_MAX_STEPS = 100
 TRACKERS = ("tensorboard", "wandb", "mlflow")

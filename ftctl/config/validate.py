@@ -6,7 +6,8 @@ All of them run before torch is imported, so a mistake costs a message, not a mo
 from __future__ import annotations
 
 from ftctl.config.schema import (
-    ATTENTION_KERNELS, LR_SCHEDULERS, METHODS, PACKED_ATTENTION_KERNELS, PARALLEL_BACKENDS, PRECISIONS, TRACKERS, RunConfig,
+    ATTENTION_KERNELS, KERNELS, LR_SCHEDULERS, METHODS, OPTIMIZERS, PACKED_ATTENTION_KERNELS, PARALLEL_BACKENDS, PRECISIONS,
+    TRACKERS, WSD_DECAY_SHAPES, RunConfig,
 )
 from ftctl.errors import ConfigError, did_you_mean
 
@@ -91,7 +92,8 @@ def validate(cfg: RunConfig) -> None:
     if not 0.0 <= t.min_lr_ratio <= 1.0:
         raise ConfigError(f"train.min_lr_ratio={t.min_lr_ratio} must be in [0, 1]")
     _choice("train.lr_scheduler", t.lr_scheduler, LR_SCHEDULERS)
-    _choice("train.optimizer", t.optimizer, ("adamw", "adamw_8bit", "paged_adamw_8bit", "paged_adamw_32bit"))
+    _choice("train.optimizer", t.optimizer, OPTIMIZERS)
+    _check_training_options(t)
     for tracker in t.report_to:
         _choice("train.report_to", tracker, TRACKERS)
 
@@ -165,6 +167,28 @@ def _check_run_length(t) -> None:
             f"train.warmup_steps={t.warmup_steps} and train.warmup_ratio={t.warmup_ratio:g} are both set; keep one "
             "(the other =0)"
         )
+
+
+def _check_training_options(t) -> None:
+    """The schedule's, the optimizer's and the model-side options' own settings."""
+    _positive("train.lr_cycles", t.lr_cycles)
+    if not 0.0 < t.wsd_decay_ratio < 1.0:
+        raise ConfigError(f"train.wsd_decay_ratio={t.wsd_decay_ratio} must be in (0, 1): the share of the steps in the final decay")
+    _choice("train.wsd_decay_shape", t.wsd_decay_shape, WSD_DECAY_SHAPES)
+    if t.optimizer == "schedule_free_adamw" and t.lr_scheduler != "constant":
+        raise ConfigError(
+            f"train.optimizer=schedule_free_adamw replaces the lr decay by averaging its iterates, and "
+            f"train.lr_scheduler={t.lr_scheduler} would decay it too; set train.lr_scheduler=constant (warmup still applies)"
+        )
+    _positive("train.sgd_momentum", t.sgd_momentum, allow_zero=True)
+    if t.sgd_nesterov and not t.sgd_momentum:
+        raise ConfigError("train.sgd_nesterov=true needs momentum: set train.sgd_momentum (e.g. 0.9)")
+    _positive("train.gradient_checkpointing_every", t.gradient_checkpointing_every)
+    if t.gradient_checkpointing_every > 1 and not t.gradient_checkpointing:
+        raise ConfigError(f"train.gradient_checkpointing_every={t.gradient_checkpointing_every} does nothing without "
+                          f"train.gradient_checkpointing=true; set both")
+    _positive("train.neftune_alpha", t.neftune_alpha, allow_zero=True)
+    _choice("train.kernels", t.kernels, KERNELS)
 
 
 def gradient_accumulation_steps(cfg: RunConfig, world_size: int) -> int:

@@ -31,6 +31,26 @@ def bucket_elements(hidden_size: int) -> int:
     return hidden_size * hidden_size
 
 
+#: Optimizers that cannot run inside DeepSpeed ZeRO, and why. ZeRO hands its client optimizer flat
+#: fp32 partitions (several tensors joined, cut at rank boundaries) and keeps them apart from the
+#: module's weights.
+ZERO_REFUSED_OPTIMIZERS = {
+    "adafactor": "DeepSpeed hands the optimizer flat partitions of joined tensors, so Adafactor can neither factor "
+                 "each matrix's second moment nor scale its step by each matrix's RMS; use parallel=ddp",
+    "schedule_free_adamw": "DeepSpeed updates its own fp32 copy of the weights, so the switch to the averaged weights "
+                           "for eval and saving would not reach the model; use parallel=ddp or fsdp",
+}
+
+_BITSANDBYTES_ON_DTENSORS = ("bitsandbytes' update kernels take plain tensors, not FSDP's DTensor shards; use "
+                             "parallel=ddp or zero1/2/3 (ZeRO hands the optimizer plain partitions), or train.optimizer=adamw")
+#: Optimizers that cannot update FSDP2's DTensor parameters, and why.
+FSDP_REFUSED_OPTIMIZERS = {
+    **{name: _BITSANDBYTES_ON_DTENSORS for name in ("adamw_8bit", "paged_adamw_8bit", "paged_adamw_32bit", "lion", "lion_8bit")},
+    "adafactor": "torch's Adafactor cannot compute its factored statistics on FSDP's DTensor shards (an in-place op "
+                 "on a partial reduction); use parallel=ddp",
+}
+
+
 def config_refusal(cfg) -> Optional[str]:
     """A reason this config cannot run anywhere, or None."""
     p, m = cfg.parallel, cfg.method
@@ -51,6 +71,9 @@ def config_refusal(cfg) -> Optional[str]:
         return ("method=qlora with parallel.offload_params=cpu: ftctl does not offload bitsandbytes 4-bit weights "
                 "(their quantisation state stays with the layer on the device); the 4-bit base is already a quarter "
                 "of its bf16 size, so drop the parameter offload or use method=lora")
+    refused = (ZERO_REFUSED_OPTIMIZERS if p.name in ZERO_STAGES else FSDP_REFUSED_OPTIMIZERS if p.name == "fsdp" else {})
+    if cfg.train.optimizer in refused:
+        return f"train.optimizer={cfg.train.optimizer} with parallel={p.name}: {refused[cfg.train.optimizer]}"
     if p.name in ZERO_STAGES and cfg.precision.name == "fp16":
         power = math.log2(cfg.precision.init_scale) if cfg.precision.init_scale > 0 else 0.5
         if power != int(power):
@@ -63,10 +86,31 @@ def config_refusal(cfg) -> Optional[str]:
 FLASH_ATTENTION_PACKAGES = {"flash_attention_2": "flash_attn", "flash_attention_3": "flash_attn_interface"}
 
 
+#: Optimizers that come from a package outside torch: (the module, the ftctl extra that installs it).
+OPTIMIZER_PACKAGES = {
+    **{name: ("bitsandbytes", "quant") for name in ("adamw_8bit", "paged_adamw_8bit", "paged_adamw_32bit", "lion", "lion_8bit")},
+    "schedule_free_adamw": ("schedulefree", "optim"),
+}
+
+
 def optimizer_refusal(optimizer: str, device_type: str) -> Optional[str]:
     if optimizer.startswith("paged_") and device_type != "cuda":
         return (f"train.optimizer={optimizer} needs a CUDA device: bitsandbytes pages optimizer state through "
                 f"CUDA unified memory, which {device_type} does not have; use train.optimizer=adamw_8bit or adamw")
+    package, extra = OPTIMIZER_PACKAGES.get(optimizer, (None, None))
+    if package and importlib.util.find_spec(package) is None:
+        return f"train.optimizer={optimizer} needs {package}, which is not installed: pip install 'ftctl[{extra}]'"
+    return None
+
+
+def kernels_refusal(kernels: str, device_type: str) -> Optional[str]:
+    if kernels != "liger":
+        return None
+    if device_type != "cuda":
+        return (f"train.kernels=liger runs liger-kernel's Triton kernels, which need a CUDA GPU; on "
+                f"{device_type.upper()} use train.kernels=ftctl (the default)")
+    if importlib.util.find_spec("liger_kernel") is None:
+        return "train.kernels=liger needs liger-kernel, which is not installed: pip install 'ftctl[liger]'"
     return None
 
 
@@ -80,7 +124,7 @@ def device_refusal(cfg, device_type: str) -> Optional[str]:
         if importlib.util.find_spec(FLASH_ATTENTION_PACKAGES[kernel]) is None:
             return (f"model.attn_implementation={kernel} needs the {FLASH_ATTENTION_PACKAGES[kernel]} package, "
                     f"which is not installed; install flash-attn or use sdpa")
-    refusal = optimizer_refusal(cfg.train.optimizer, device_type)
+    refusal = optimizer_refusal(cfg.train.optimizer, device_type) or kernels_refusal(cfg.train.kernels, device_type)
     if refusal:
         return refusal
     if p.name in ZERO_STAGES:

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from ftctl.data.render import IGNORE_INDEX
 from ftctl.models.architecture import HEAD_RETURNS_PLAIN_LOGITS
+from ftctl.models.kernels import head_loss_kernel
 from ftctl.models.packed_attention import packed_kernel_of
 
 #: Logits held at once per chunk (fp32): 8 Mi elements = 32 MiB, large enough for efficient matmuls.
@@ -135,8 +136,10 @@ def _head_computes_loss(head: torch.nn.Linear, positions: torch.Tensor, targets:
     """For one forward call, ``head(hidden)`` returns the summed token loss of ``hidden``'s flattened
     ``positions`` against ``targets``."""
 
+    kernel = head_loss_kernel(head)
+
     def loss_forward(hidden: torch.Tensor) -> torch.Tensor:
-        return linear_cross_entropy_at(hidden, head.weight, head.bias, positions, targets)
+        return linear_cross_entropy_at(hidden, head.weight, head.bias, positions, targets, kernel)
 
     previous = head.__dict__.get("forward")
     head.forward = loss_forward
@@ -156,14 +159,18 @@ def linear_cross_entropy_sum(hidden, weight, bias, targets) -> torch.Tensor:
     return linear_cross_entropy_at(hidden, weight, bias, positions, flat[positions])
 
 
-def linear_cross_entropy_at(hidden, weight, bias, positions, targets) -> torch.Tensor:
+def linear_cross_entropy_at(hidden, weight, bias, positions, targets, kernel=None) -> torch.Tensor:
     """Summed cross-entropy of ``hidden``'s flattened ``positions`` (index tensor) against ``targets``.
 
     An index, unlike a boolean mask, has a size the host already knows: selecting by it reads nothing back.
+    ``kernel(selected, weight, bias, targets)`` computes it instead of :class:`LinearCrossEntropy` when
+    given (``train.kernels``, :mod:`ftctl.models.kernels`).
     """
     if positions.numel() == 0:
         return hidden.sum() * 0.0  # keeps the graph connected for a micro-batch with nothing to train
     selected = hidden.reshape(-1, hidden.shape[-1]).index_select(0, positions)
+    if kernel is not None:
+        return kernel(selected, weight, bias, targets)
     return LinearCrossEntropy.apply(selected, weight, bias, targets, torch.is_grad_enabled())
 
 

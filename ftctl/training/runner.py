@@ -24,7 +24,9 @@ from ftctl.data.dataset import build_datasets, build_eval_sets
 from ftctl.errors import FtctlError
 from ftctl.data.prefetch import StepBatches
 from ftctl.methods import create_method
-from ftctl.models.fast_rms_norm import use_fast_rms_norm
+from ftctl.models.checkpointing import enable_activation_checkpointing
+from ftctl.models.kernels import use_kernels
+from ftctl.models.neftune import add_neftune_noise
 from ftctl.models.loading import load_tokenizer, resolve_model_path
 from ftctl.models.compile import compile_decoder_layers
 from ftctl.models.packed_attention import KernelCapabilities, choose_packed_kernel, use_packed_attention
@@ -36,7 +38,7 @@ from ftctl.training.interrupts import NonFiniteGuard, StepOutcome, StopRequest, 
 from ftctl.training.loss import returns_head_output, token_loss_sum
 from ftctl.training.packing_check import check_packing
 from ftctl.training.metrics import LogWindow, MetricsLogger
-from ftctl.training.optimizers import build_optimizer
+from ftctl.training.optimizers import build_optimizer, evaluation_weights, settle_final_weights
 from ftctl.training.plot import plot_after_run
 from ftctl.training.resume import flatten_keys, restore_training_state, resume_checkpoint
 from ftctl.training.run_dir import announce_run_dir
@@ -92,7 +94,9 @@ def _train(cfg: RunConfig, run_dir: Path, backend) -> TrainResult:
         log.info("train.epochs=%g over %d train examples: %d steps of %d examples", t.epochs, len(train_data), steps, t.global_batch_size)
 
     model = method.build_model(model_path, precision, backend.build_device)
-    use_fast_rms_norm(model)
+    kernels_used = use_kernels(model, t.kernels)
+    if kernels_used and backend.is_main:
+        log.info(kernels_used)
     returns_head_output(model)  # probed now, before any wrapper: decides the fused head loss (ftctl.training.loss)
     if cfg.data.packing:
         if use_packed_attention(model, kernel) and backend.is_main:
@@ -103,8 +107,10 @@ def _train(cfg: RunConfig, run_dir: Path, backend) -> TrainResult:
         method.load_checkpoint_weights(model, resume_from)
     best = BestSoFar(t, run_dir, backend.is_main)
     best.restore(resume_from)
+    if t.neftune_alpha:
+        add_neftune_noise(model, t.neftune_alpha)
     if t.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_activation_checkpointing(model, every=t.gradient_checkpointing_every)
     if t.compile:
         compiled = compile_decoder_layers(model)
         if backend.is_main:
@@ -132,12 +138,14 @@ def _train(cfg: RunConfig, run_dir: Path, backend) -> TrainResult:
     outcome, eval_loss = None, None
 
     def checkpoint(step: int):
-        return save_checkpoint(run_dir, step, backend=backend, engine=engine, method=method, model=model,
-                               tokenizer=tokenizer, extra={"loss": outcome.loss if outcome else None, "parallel": cfg.parallel.name, **best.state()},
-                               keep_last=t.keep_last)
+        with evaluation_weights(engine.optimizer):  # a checkpoint is a loadable result too
+            return save_checkpoint(run_dir, step, backend=backend, engine=engine, method=method, model=model,
+                                   tokenizer=tokenizer, extra={"loss": outcome.loss if outcome else None, "parallel": cfg.parallel.name, **best.state()},
+                                   keep_last=t.keep_last)
 
     def save_best(directory, info):
-        write_weights(directory, backend=backend, engine=engine, method=method, model=model, tokenizer=tokenizer, info=info)
+        with evaluation_weights(engine.optimizer):
+            write_weights(directory, backend=backend, engine=engine, method=method, model=model, tokenizer=tokenizer, info=info)
 
     if backend.is_main:  # only now: a run that fails while loading leaves no run dir to announce
         announce_run_dir(run_dir)
@@ -182,6 +190,7 @@ def _train(cfg: RunConfig, run_dir: Path, backend) -> TrainResult:
                 plot_after_run(run_dir)
 
     final_dir = run_dir / "final"
+    settle_final_weights(engine.optimizer)
     state = engine.gathered_state_dict()
     if backend.is_main:
         method.save(model, tokenizer, final_dir, state_dict=method.trainable_state_dict(model, state))
@@ -219,6 +228,11 @@ def train_step(engine, batches, backend, precision, max_grad_norm: float) -> Ste
 @torch.no_grad()
 def evaluate(engine, eval_data, make_batches, backend, precision) -> float:
     """Mean token loss over the whole eval split; ranks take interleaved examples and sum."""
+    with evaluation_weights(engine.optimizer):
+        return _evaluate(engine, eval_data, make_batches, backend, precision)
+
+
+def _evaluate(engine, eval_data, make_batches, backend, precision) -> float:
     engine.module.eval()
     indices = list(range(backend.rank, len(eval_data), backend.world_size))
     total = torch.zeros((), dtype=torch.float64, device=backend.device)  # summed on the device: no read per batch
