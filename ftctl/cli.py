@@ -94,7 +94,7 @@ def cmd_train(args) -> int:
 #: The keys most runs set, listed by `ftctl train --help` with their schema help (config-docs has them all).
 MAIN_KEYS = (
     "model.name_or_path", "data.path", "data.format", "data.eval_path", "output_dir", "method.r", "train.max_steps",
-    "train.lr", "train.global_batch_size", "train.micro_batch_size", "train.report_to", "resume",
+    "train.lr", "train.lr_scheduler", "train.optimizer", "train.global_batch_size", "train.micro_batch_size", "train.report_to", "resume",
 )
 
 

@@ -10,8 +10,8 @@
 With ``--device cuda`` everything runs in bf16 on the GPU; ``--model`` may name a shape shipped in
 recipes/model_configs (llama-3.2-1b, llama-3.1-8b), built with random weights and the tiny test
 tokenizer (nothing is downloaded); contenders are ftctl packed and padded, TRL's SFTTrainer padded
-and packed (padding-free), and TRL with Liger kernels when liger-kernel is installed
-(``trl-liger``); ``--method`` full or qlora benchmarks those methods in ftctl. MFU is counted
+and packed (padding-free), and TRL and ftctl (packed) with Liger kernels when liger-kernel is installed
+(``trl-liger``, ``ftctl-liger``); ``--method`` full or qlora benchmarks those methods in ftctl. MFU is counted
 against a bf16 matmul peak measured in each contender's own process, and the peak GPU memory
 (``torch.cuda.max_memory_allocated``, and what the allocator reserved) is reported per contender.
 
@@ -256,10 +256,11 @@ def worker_ftctl(s: dict) -> dict:
     from ftctl.training.runner import train
 
     _, _, data = tokenized(s)
-    run_dir = Path(s["work"]) / f"ftctl-{'packed' if s['packing'] else 'padded'}-{os.getpid()}"
+    run_dir = Path(s["work"]) / f"ftctl-{'packed' if s['packing'] else 'padded'}-{s.get('kernels', 'ftctl')}-{os.getpid()}"
     cfg = compose_config(_common_overrides(s) + [
         f"output_dir={run_dir}", f"data.packing={str(s['packing']).lower()}", "train.log_every=1",
-        "train.progress_bar=false", "train.tensorboard=false", *s.get("extra_overrides", []),
+        "train.progress_bar=false", "train.tensorboard=false", f"train.kernels={s.get('kernels', 'ftctl')}",
+        *s.get("extra_overrides", []),
     ])
     train(cfg, prepare_run_dir(cfg))
     steps = [m for m in read_metrics(run_dir) if "loss" in m][s["warmup"]:]
@@ -358,6 +359,8 @@ WORKERS = {"matmul": worker_matmul, "ftctl": worker_ftctl, "trl": worker_trl}
 CONTENDERS = {
     "ftctl-packed": ("ftctl", {"packing": True}),
     "ftctl-padded": ("ftctl", {"packing": False}),
+    # ftctl packed with train.kernels=liger: liger-kernel's RMSNorm, SwiGLU, RoPE and fused linear cross-entropy.
+    "ftctl-liger": ("ftctl", {"packing": True, "kernels": "liger"}),
     "trl": ("trl", {"packing": False}),
     "trl-packed": ("trl", {"packing": True}),
     "trl-liger": ("trl", {"packing": False, "liger": True}),
@@ -468,7 +471,7 @@ def main() -> None:
     p.add_argument("--lora-dropout", type=float, default=0.05)
     p.add_argument("--rounds", type=int, help="interleaved repetitions; the best of each is reported (default 2 cpu, 1 cuda)")
     p.add_argument("--contenders", help="comma-separated, from: " + ", ".join(CONTENDERS) +
-                   " (default ftctl-packed,ftctl-padded,trl; on cuda also trl-packed, and trl-liger when liger-kernel is installed)")
+                   " (default ftctl-packed,ftctl-padded,trl; on cuda also trl-packed, and trl-liger and ftctl-liger when liger-kernel is installed)")
     p.add_argument("--override", action="append", default=[], help="extra ftctl override for ftctl runs (repeatable), "
                                                                    "e.g. data.packed_attention=flex or train.compile=true")
     p.add_argument("--work", help="work dir to keep and reuse (built models, tokenized data); default a fresh temp dir")
@@ -491,7 +494,7 @@ def main() -> None:
         import importlib.util
 
         args.contenders = "ftctl-packed,ftctl-padded,trl" + (",trl-packed" if gpu else "") + \
-            (",trl-liger" if gpu and importlib.util.find_spec("liger_kernel") else "")
+            (",trl-liger,ftctl-liger" if gpu and importlib.util.find_spec("liger_kernel") else "")
 
     work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="ftctl-bench-"))
     work.mkdir(parents=True, exist_ok=True)

@@ -8,7 +8,8 @@ GPU_MEASURE_BUDGET seconds (default 480); $OUT/gpu_measure.json is rewritten aft
 
 1. the no-sync test (tests/test_gpu_path.py under torch.cuda.set_sync_debug_mode("error"));
 2. Llama-3.2-1B shape, LoRA: ftctl packed and padded against TRL SFTTrainer padded and packed
-   (and TRL+Liger when liger-kernel is installed): trained tok/s, MFU, peak GPU memory;
+   (and TRL+Liger and ftctl+Liger, train.kernels=liger, when liger-kernel is installed, which also runs
+   tests/test_training_options.py's CUDA test of train.kernels=liger): trained tok/s, MFU, peak GPU memory;
 3. the packed kernels one by one: varlen, flex, sdpa without cuDNN (flash_varlen if flash-attn is installed);
 4. full fine-tuning and QLoRA, packed (QLoRA's peak memory against LoRA's at the same batch);
 5. the estimate against torch.cuda.max_memory_allocated for full, LoRA and QLoRA on fixed-length
@@ -139,7 +140,9 @@ def main() -> None:
     save()
     print(json.dumps(RESULTS["env"]), flush=True)
     run("no_sync_test", [sys.executable, "-m", "pytest", "-q", "-x", str(ROOT / "tests" / "test_gpu_path.py"), "-k", "cuda"], 90)
-    contenders = "ftctl-packed,ftctl-padded,trl,trl-packed" + (",trl-liger" if RESULTS["env"]["liger_kernel"] else "")
+    contenders = "ftctl-packed,ftctl-padded,trl,trl-packed" + (",trl-liger,ftctl-liger" if RESULTS["env"]["liger_kernel"] else "")
+    if RESULTS["env"]["liger_kernel"]:
+        run("liger_test", [sys.executable, "-m", "pytest", "-q", "-x", str(ROOT / "tests" / "test_training_options.py"), "-k", "liger"], 90)
     bench("lora_1b", "--contenders", contenders, "--steps", "8", "--warmup", "2", timeout=240)
     kernels = ["varlen", "flex", "sdpa"] + (["flash_varlen"] if RESULTS["env"]["flash_attn"] else [])
     for kernel in kernels:
