@@ -122,7 +122,7 @@ def cmd_estimate(args) -> int:
     from ftctl.config.compose import compose_config
     from ftctl.estimate import estimate_for, format_table, to_json
 
-    estimate = estimate_for(compose_config(args.overrides, args.config))
+    estimate = estimate_for(compose_config(args.overrides, args.config, needs_data=False))
     print(to_json(estimate) if args.json else format_table(estimate))
     return 0
 

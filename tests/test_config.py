@@ -42,7 +42,7 @@ def _chosen(cfg, group):
 def test_every_group_option_composes(group):
     chosen = {}
     for option in group_options(group):
-        overrides = [f"{group}={option}"]
+        overrides = ["recipe=tiny_lora", f"{group}={option}"]  # the group choice wins over the recipe's
         if group == "parallel" and option != "single":
             overrides.append("parallel.nproc_per_node=2")
         cfg = compose_config(overrides)
@@ -50,6 +50,26 @@ def test_every_group_option_composes(group):
         if group in ("method", "parallel", "precision"):
             assert chosen[option] == option  # the option file names what it selects
     assert len(set(chosen.values())) == len(chosen), f"two {group} options select the same thing: {chosen}"
+
+
+def test_no_model_and_no_data_unless_named(capsys):
+    """ftctl chooses neither for a run: without them it refuses in one line; the tiny random model trains only
+    when a recipe names it."""
+    from ftctl.cli import main
+    from ftctl.models.aliases import aliases
+
+    assert main(["train", "data.path=mine.jsonl", "--cfg"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("ftctl: error: no model: set model.name_or_path=") and err.count("\n") == 1
+    assert all(name in err for name in aliases()) and "`ftctl models`" in err and "recipe=NAME" in err
+    assert main(["train", "model.name_or_path=smollm2-135m-instruct", "--cfg"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("ftctl: error: data.path has no value") and err.count("\n") == 1
+    from ftctl.paths import recipes_dir
+
+    for recipe in group_options("recipe"):
+        names_tiny = "override /model: tiny_llama" in (recipes_dir() / "recipe" / f"{recipe}.yaml").read_text()
+        assert (compose_config([f"recipe={recipe}"]).model.name_or_path == "tiny-llama") == names_tiny, recipe
 
 
 def test_recipe_list_has_command_and_description():

@@ -24,7 +24,7 @@ LLAMA2_7B_PARAMETERS = 6_738_415_616  # as published for meta-llama/Llama-2-7b-h
 
 @functools.lru_cache(maxsize=None)
 def _compose(*overrides):
-    return compose_config(list(overrides))
+    return compose_config(list(overrides), needs_data=False)
 
 
 def _estimate(*overrides, **parallel):

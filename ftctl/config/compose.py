@@ -212,16 +212,17 @@ def _unset_alternatives(overrides: Sequence[str]) -> List[str]:
     ]
 
 
-def compose_config(overrides: Sequence[str] = (), config_file: Optional[str] = None) -> RunConfig:
+def compose_config(overrides: Sequence[str] = (), config_file: Optional[str] = None, *, needs_data: bool = True) -> RunConfig:
     """Compose, check and resolve a run config; raises ConfigError with one readable message.
 
     ``config_file`` is a recipe file kept anywhere (``ftctl train --config FILE``), composed as a preset.
+    ``needs_data=False`` accepts a config without training data (``ftctl estimate`` reads none).
     """
     if config_file is None:
-        return _finish(compose_unresolved(overrides))
+        return _finish(compose_unresolved(overrides), needs_data)
     path = Path(config_file).expanduser()
     try:
-        return _finish(compose_unresolved(overrides, path))
+        return _finish(compose_unresolved(overrides, path), needs_data)
     except ConfigError as exc:
         raise ConfigError(_located_in(path, str(exc), overrides)) from exc.__cause__
 
@@ -282,15 +283,25 @@ def _located_in(path: Path, message: str, overrides: Sequence[str]) -> str:
     return f"{path}: {message}"
 
 
-def _finish(cfg) -> RunConfig:
+def no_model_message() -> str:
+    """What a run without a model is told: ftctl picks none for it (a random tiny model would train silently)."""
+    from ftctl.models.aliases import aliases
+
+    return (f"no model: set model.name_or_path=DIR_OR_HUB_ID or an alias ({', '.join(sorted(aliases()))}; "
+            f"`ftctl models` describes them), or model=PRESET ({', '.join(group_options('model'))}), or recipe=NAME (`ftctl recipes`)")
+
+
+def _finish(cfg, needs_data: bool = True) -> RunConfig:
     missing = sorted(OmegaConf.missing_keys(cfg))
+    if "model.name_or_path" in missing:
+        raise ConfigError(no_model_message())
     if missing:
         raise ConfigError(f"config key '{missing[0]}' has no value; set it, for example {missing[0]}=...")
     try:
         run = OmegaConf.to_object(cfg)
     except OmegaConfBaseException as exc:
         raise ConfigError(f"config key '{getattr(exc, 'full_key', '')}': {str(exc).splitlines()[0]}") from exc
-    validate(run)
+    validate(run, needs_data)
     if run.train.max_steps is None and run.train.epochs is None:
         run.train.max_steps = DEFAULT_MAX_STEPS  # written out, so config.yaml says how long the run is
     return run

@@ -60,7 +60,7 @@ def refuse_unsupported_method(setting: str, name: str) -> None:
         )
 
 
-def validate(cfg: RunConfig) -> None:
+def validate(cfg: RunConfig, needs_data: bool = True) -> None:
     m, t, d, p = cfg.method, cfg.train, cfg.data, cfg.parallel
     refuse_unsupported_method(f"method.name={m.name}", m.name)
     _choice("method.name", m.name, METHODS)
@@ -101,7 +101,7 @@ def validate(cfg: RunConfig) -> None:
     from data_formats import get_format
 
     get_format(d.format)
-    if not d.path and not d.mixture:
+    if needs_data and not d.path and not d.mixture:
         raise ConfigError("data.path has no value; set data.path=FILE (or a directory, a save_to_disk directory, a hub "
                           "dataset id) or data.mixture=[{path: ..., weight: ...}, ...]")
     for i, source in enumerate(d.mixture):
