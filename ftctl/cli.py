@@ -44,7 +44,9 @@ def _split_extra(overrides: List[str], *names: str):
 def cmd_train(args) -> int:
     from ftctl.config.compose import compose_config, to_yaml
 
-    cfg = compose_config(args.overrides, args.config or saved_run_config(args.overrides))
+    run_config = None if args.config else saved_run_config(args.overrides)
+    # A run's own config.yaml holds paths as its command line gave them, relative to where ftctl ran.
+    cfg = compose_config(args.overrides, args.config or run_config, paths_from_file=run_config is None)
     if args.cfg:
         print(to_yaml(cfg), end="")
         return 0

@@ -72,7 +72,7 @@ def test_constant_and_cosine_schedules():
     cos = compose_config(["recipe=tiny_lora", "train.warmup_steps=3", "train.lr=1e-3"]).train
     assert cos.lr_scheduler == "cosine"  # the default
     assert [learning_rate(s, cos, 30) for s in range(30)] == pytest.approx([cosine(s, 30, 1e-3, 3) for s in range(30)])
-    default = compose_config(["train.lr=1e-3"]).train
+    default = compose_config(["model.name_or_path=tiny-llama", "train.lr=1e-3"], needs_data=False).train
     assert default.max_steps == 100 and default.epochs is None  # neither set: 100 steps, written into config.yaml
 
 
@@ -169,7 +169,7 @@ def test_recipes_show_cp_and_train_with_config(capsys, tiny_model_dir, tmp_path)
     [
         ("train:\n  max_steps: 3\n  lr_rate: 1e-4\n", "{f}:3: unknown config key 'train.lr_rate'. ftctl's name for it: train.lr."),
         ("method:\n  name: lora\ntrain:\n  lr: fast\n", "{f}:4: config key 'train.lr': expected float, got 'fast'"),
-        ("train:\n  max_steps: 0\n", "{f}:2: train.max_steps=0 must be > 0"),
+        ("train:\n  max_steps: 0\nmodel:\n  name_or_path: tiny-llama\ndata:\n  path: x.jsonl\n", "{f}:2: train.max_steps=0 must be > 0"),
         ("train:\n  lr: [1e-4\n", "{f}:3: not valid YAML"),
         ("- a list\n", "{f}:1: a config file is a mapping of keys"),
     ],

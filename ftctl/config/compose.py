@@ -212,22 +212,25 @@ def _unset_alternatives(overrides: Sequence[str]) -> List[str]:
     ]
 
 
-def compose_config(overrides: Sequence[str] = (), config_file: Optional[str] = None, *, needs_data: bool = True) -> RunConfig:
+def compose_config(overrides: Sequence[str] = (), config_file: Optional[str] = None, *, needs_data: bool = True,
+                   paths_from_file: bool = True) -> RunConfig:
     """Compose, check and resolve a run config; raises ConfigError with one readable message.
 
-    ``config_file`` is a recipe file kept anywhere (``ftctl train --config FILE``), composed as a preset.
-    ``needs_data=False`` accepts a config without training data (``ftctl estimate`` reads none).
+    ``config_file`` is a recipe file kept anywhere (``ftctl train --config FILE``), composed as a preset;
+    the relative paths it names resolve against its directory unless ``paths_from_file`` is False (a run's
+    own config.yaml, whose paths are the command line's). ``needs_data=False`` accepts a config without
+    training data (``ftctl estimate`` reads none).
     """
     if config_file is None:
         return _finish(compose_unresolved(overrides), needs_data)
     path = Path(config_file).expanduser()
     try:
-        return _finish(compose_unresolved(overrides, path), needs_data)
+        return _finish(compose_unresolved(overrides, path, paths_from_file), needs_data)
     except ConfigError as exc:
         raise ConfigError(_located_in(path, str(exc), overrides)) from exc.__cause__
 
 
-def compose_unresolved(overrides: Sequence[str] = (), config_file: Optional[Path] = None):
+def compose_unresolved(overrides: Sequence[str] = (), config_file: Optional[Path] = None, paths_from_file: bool = True):
     """The composed config before interpolations resolve and before validation."""
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
@@ -236,7 +239,7 @@ def compose_unresolved(overrides: Sequence[str] = (), config_file: Optional[Path
     fields = schema_fields()
     hydra_overrides = [_check_override(o, fields) for o in overrides]
     if config_file is not None:
-        hydra_overrides = _with_config_file(config_file, overrides, hydra_overrides, fields)
+        hydra_overrides = _with_config_file(config_file, overrides, hydra_overrides, fields, paths_from_file)
     hydra_overrides += _unset_alternatives(overrides)
     GlobalHydra.instance().clear()
     try:
@@ -250,7 +253,7 @@ def compose_unresolved(overrides: Sequence[str] = (), config_file: Optional[Path
         GlobalHydra.instance().clear()
 
 
-def _with_config_file(path: Path, overrides: Sequence[str], hydra_overrides: List[str], fields) -> List[str]:
+def _with_config_file(path: Path, overrides: Sequence[str], hydra_overrides: List[str], fields, paths_from_file: bool) -> List[str]:
     """The file as the recipe; the command line's group choices still win over the sections the file sets."""
     from hydra.core.config_store import ConfigStore
 
@@ -261,8 +264,9 @@ def _with_config_file(path: Path, overrides: Sequence[str], hydra_overrides: Lis
     choices = [o.split("=", 1) for o in overrides if o.split("=", 1)[0] in GROUPS]
     if any(group == "recipe" for group, _ in choices):
         raise ConfigError(f"pass recipe=NAME or --config {path}, not both (the file is the recipe)")
-    node = load_config_file(path, fields, _unknown_key_hint, lambda key: under_mapping(key, fields))
-    ConfigStore.instance().store(group="recipe", name=CONFIG_FILE_RECIPE, node=node)
+    content = load_config_file(path, fields, _unknown_key_hint, group_options, lambda key: under_mapping(key, fields),
+                               relative_paths=paths_from_file)
+    ConfigStore.instance().store(group="recipe", name=CONFIG_FILE_RECIPE, node=content)
     as_keys = [key for group, option in choices for key in group_choice_as_keys(recipes_dir() / group / f"{option}.yaml", group)]
     groups = [o for o in hydra_overrides if o.split("=", 1)[0] in GROUPS]
     keys = [o for o in hydra_overrides if o.split("=", 1)[0] not in GROUPS]

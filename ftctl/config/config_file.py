@@ -6,6 +6,7 @@ and validated exactly as a preset in recipes/recipe/ is. Mistakes are reported a
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Dict, List, Optional
 
@@ -46,9 +47,12 @@ def key_lines(path: Path) -> Dict[str, int]:
     return lines
 
 
-def load_config_file(path: Path, fields, unknown_key_hint, free_key=lambda key: False):
-    """The file's content, after refusing keys the schema does not have (with the file's line); ``free_key``
-    tells the entries of mapping-typed keys (data.eval_sets.NAME), which the user names."""
+def load_config_file(path: Path, fields, unknown_key_hint, group_options, free_key=lambda key: False, *,
+                     relative_paths: bool = True):
+    """The file's content, after refusing keys the schema does not have (with the file's line; ``free_key``
+    tells the entries of mapping-typed keys, data.eval_sets.NAME, which the user names), its defaults
+    list in Hydra's spelling for a recipe, and (``relative_paths``) the paths it names that a run reads
+    resolved against the file's directory."""
     from omegaconf import OmegaConf
 
     lines = key_lines(path)
@@ -57,7 +61,88 @@ def load_config_file(path: Path, fields, unknown_key_hint, free_key=lambda key: 
         if key not in fields and key not in sections and not free_key(key):
             raise ConfigError(f"{path}:{line}: unknown config key '{key}'.{unknown_key_hint(key, fields)} "
                               "(`ftctl config-docs` lists every key)")
-    return OmegaConf.load(path)
+    content = OmegaConf.load(path)
+    if "defaults" in content:
+        content.defaults = group_choices(path, group_options)
+    if relative_paths:
+        resolve_paths_against(content, path.parent)
+    return content
+
+
+#: The groups a config file's defaults list may choose from; `recipe` is not one (the file is the recipe).
+CONFIG_GROUPS = ("model", "method", "parallel", "precision", "data")
+
+
+def group_choices(path: Path, group_options) -> list:
+    """The file's ``defaults`` list as a recipe's overrides of the root's choices.
+
+    Both spellings work: ``- method: dora`` (what users write) and Hydra's ``- override /method: dora``
+    (a recipe's own), as do ``/method: dora`` and ``override method: dora``; ``_self_`` stays where it is.
+    """
+    node = next((value for key, value in yaml.compose(path.read_text()).value if key.value == "defaults"), None)
+    if not isinstance(node, yaml.SequenceNode):
+        where = f"{path}:{node.start_mark.line + 1}" if node is not None else str(path)
+        raise ConfigError(f"{where}: defaults is a list of group choices, for example defaults: [{{method: dora}}]")
+    out: list = []
+    for entry in node.value:
+        where = f"{path}:{entry.start_mark.line + 1}"
+        if isinstance(entry, yaml.ScalarNode) and entry.value == "_self_":
+            out.append("_self_")
+            continue
+        if not (isinstance(entry, yaml.MappingNode) and len(entry.value) == 1 and isinstance(entry.value[0][1], yaml.ScalarNode)):
+            raise ConfigError(f"{where}: a defaults entry is one group choice such as '- method: dora' "
+                              f"(groups: {', '.join(CONFIG_GROUPS)}), or _self_")
+        key, option = entry.value[0][0].value, entry.value[0][1].value
+        group = key.removeprefix("override").strip().lstrip("/")
+        if group == "recipe":
+            raise ConfigError(f"{where}: a config file cannot choose a recipe (the file is one); start from a preset "
+                              "with `ftctl recipes cp NAME FILE` and edit that")
+        if group not in CONFIG_GROUPS:
+            from ftctl.errors import did_you_mean
+
+            raise ConfigError(f"{where}: '{key}' is not a config group.{did_you_mean(group, CONFIG_GROUPS)} "
+                              f"Groups: {', '.join(CONFIG_GROUPS)}")
+        options = group_options(group)
+        if option not in options:
+            from ftctl.errors import did_you_mean
+
+            raise ConfigError(f"{where}: unknown {group} '{option}'.{did_you_mean(str(option), options)} Available: {', '.join(options)}")
+        out.append({f"override /{group}": option})
+    return out
+
+
+def resolve_paths_against(content, base: Path) -> None:
+    """Paths a run reads, written relative, made relative to ``base`` (the config file's directory).
+
+    A value is a path when it names something that exists there, starts with ./ or ../, or (data
+    sources, templates) ends the way such a file does. Hub ids, aliases, template names, Jinja text,
+    shipped architecture names, absolute paths and ${...} interpolations stay as written. What a run
+    writes (output_dir, data.cache_dir) stays relative to the current directory, as on the command line.
+    """
+    data, model = content.get("data") or {}, content.get("model") or {}
+    targets = [(model, "name_or_path", ()), (model, "tokenizer", ()), (model, "config_file", ()),
+               (data, "path", DATA_SUFFIXES), (data, "eval_path", DATA_SUFFIXES), (data, "chat_template", (".jinja", ".j2"))]
+    targets += [(source, "path", DATA_SUFFIXES) for source in (data.get("mixture") or []) if hasattr(source, "get")]
+    eval_sets = data.get("eval_sets") or {}
+    targets += [(entry, "path", DATA_SUFFIXES) if hasattr(entry, "get") else (eval_sets, name, DATA_SUFFIXES)
+                for name, entry in eval_sets.items()]  # {name: path} or {name: {path: ..., ...}}
+    for section, key, suffixes in targets:
+        value = section.get(key) if hasattr(section, "get") else None
+        if isinstance(value, str) and _is_relative_path(value, base, suffixes):
+            section[key] = os.path.abspath(base / value)
+
+
+DATA_SUFFIXES = (".json", ".jsonl", ".parquet")
+
+
+def _is_relative_path(value: str, base: Path, suffixes) -> bool:
+    if not value or "${" in value or "{{" in value or "{%" in value or value.startswith(("/", "~", "hf://")):
+        return False
+    from ftctl.models.aliases import is_alias
+
+    if is_alias(value):
+        return False
+    return value.startswith(("./", "../")) or (base / value).exists() or value.lower().endswith(suffixes)
 
 
 def line_of(path: Path, key: str) -> Optional[int]:
