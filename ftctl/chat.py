@@ -17,6 +17,7 @@ from typing import Dict, List, Optional, TextIO
 
 from ftctl.errors import FtctlError
 from ftctl.options import number_option
+from ftctl.paths import check_output_path, make_parent
 
 Messages = List[Dict[str, str]]
 
@@ -228,6 +229,7 @@ def run_generate(options: Dict[str, str]) -> dict:
         raise FtctlError(f"overwrite={options['overwrite']}: expected true or false")
     if output.is_dir() or (output.exists() and overwrite != "true"):
         raise FtctlError(f"output={output} exists; choose another file or pass overwrite=true")
+    check_output_path(output, "output")
     decoding = decoding_from_options(options)
     batch_size = number_option(options, "batch_size", int, 16, 1)
     items = read_prompts(options["input"], options.get("data.format"), system_prompt(options))
@@ -237,7 +239,7 @@ def run_generate(options: Dict[str, str]) -> dict:
 
     outputs = generate(model, tokenizer, [item.messages for item in items], decoding.max_new_tokens, batch_size=batch_size,
                        progress="generate", **decoding.kwargs())
-    output.parent.mkdir(parents=True, exist_ok=True)
+    make_parent(output, "output")
     staging = output.with_name(f".{output.name}.partial-{os.getpid()}")
     try:
         with open(staging, "w", encoding="utf-8") as f:

@@ -159,10 +159,13 @@ def cmd_recipes(args) -> int:
             return 0
         if not args.file:
             raise FtctlError(f"ftctl recipes cp {args.name} needs a file to write, for example my.yaml")
+        from ftctl.paths import check_output_path, make_parent
+
         target = Path(args.file).expanduser()
         if target.exists():
             raise FtctlError(f"{target} exists; choose another file name, or delete it first")
-        target.write_text(text)
+        check_output_path(target, "FILE")
+        make_parent(target, "FILE").write_text(text)
         print(f"copied recipe {args.name} to {target}; edit it, then: ftctl train --config {target}")
         return 0
     rows = list_recipes()
@@ -332,6 +335,10 @@ def cmd_plot(args) -> int:
         raise FtctlError(f"{args.run_dir}: no metrics.jsonl here; pass the output_dir of a training run")
     if not can_plot():
         raise FtctlError("plotting needs matplotlib: pip install 'ftctl[plot]'")
+    if "output" in options:
+        from ftctl.paths import check_output_path
+
+        check_output_path(Path(options["output"]), "output")
     print(f"plotted {args.run_dir} -> {draw_loss_curve(args.run_dir, options.get('output'))}")
     return 0
 

@@ -29,6 +29,7 @@ import torch
 
 from ftctl.errors import FtctlError
 from ftctl.methods.adapters import read_adapter_info
+from ftctl.paths import check_output_path, make_parent
 from ftctl.progress import stages
 
 log = logging.getLogger("ftctl")
@@ -232,6 +233,7 @@ def check_output_dir(output: Path, overwrite: bool) -> None:
         raise FtctlError(f"output={output} exists and is not a directory")
     if output.is_dir() and any(output.iterdir()) and not overwrite:
         raise FtctlError(f"output={output} is not empty; choose another dir or pass overwrite=true")
+    check_output_path(output, "output", directory=True)
 
 
 def refuse_output_over_inputs(output: Path, **inputs: Optional[str]) -> None:
@@ -254,7 +256,7 @@ def write_merged(model: torch.nn.Module, tokenizer, output_dir, *, overwrite: bo
     """
     output = Path(output_dir).expanduser().absolute()
     check_output_dir(output, overwrite)
-    output.parent.mkdir(parents=True, exist_ok=True)
+    make_parent(output, "output")
     # Named by pid rather than made by mkdtemp, whose 0700 mode would become the output's.
     staging = output.with_name(f".{output.name}.partial-{os.getpid()}")
     replaced = None

@@ -29,3 +29,34 @@ def samples_dir() -> Path:
 def ftctl_home() -> Path:
     """Cache root for converted models and tokenized data: $FTCTL_HOME, else ~/.cache/ftctl."""
     return Path(os.environ.get("FTCTL_HOME") or Path.home() / ".cache" / "ftctl").expanduser()
+
+
+def check_output_path(path: Path, key: str, *, directory: bool = False) -> None:
+    """Refuse, in one line and before any work, an output that cannot be written: ``path`` (a file, or a
+    dir with ``directory``) is the wrong kind, or the nearest existing folder above it is a file or not
+    writable. Missing folders above it are fine: :func:`make_parent` creates them."""
+    from ftctl.errors import FtctlError
+
+    path = Path(path).expanduser()
+    if path.exists() and path.is_dir() != directory:
+        raise FtctlError(f"{key}={path} is {'a file' if directory else 'a directory'}; give the path of "
+                         f"{'a directory' if directory else 'a file to write'}")
+    ancestor = path.absolute().parent
+    while not ancestor.exists() and ancestor != ancestor.parent:
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        raise FtctlError(f"{key}={path}: {ancestor} is a file, so no folder can be made under it")
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        raise FtctlError(f"{key}={path}: cannot write in {ancestor} (permission denied)")
+
+
+def make_parent(path: Path, key: str) -> Path:
+    """Create the folders above ``path`` (as mkdir -p does); return ``path``. A failure is one line naming ``key``."""
+    from ftctl.errors import FtctlError
+
+    path = Path(path).expanduser()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise FtctlError(f"{key}={path}: cannot create the folder {path.parent} ({exc.strerror or exc})") from None
+    return path

@@ -17,7 +17,7 @@ from ftctl.errors import ConfigError
 
 
 def check_files(cfg: RunConfig, *, check_hub: bool = True) -> None:
-    """Cheap checks of the files a run needs, so a typo fails before anything is written.
+    """Cheap checks of the files a run needs and the dirs it writes, so a typo fails before anything is written.
 
     ``check_hub`` also asks whether a hub model or dataset can load here (a plan may be meant for another machine).
     """
@@ -29,6 +29,11 @@ def check_files(cfg: RunConfig, *, check_hub: bool = True) -> None:
     from ftctl.data.sources import locate_all
 
     locate_all(cfg.data, check_hub=check_hub)
+    from ftctl.paths import check_output_path
+
+    check_output_path(Path(cfg.output_dir), "output_dir", directory=True)
+    if cfg.data.cache_dir:
+        check_output_path(Path(cfg.data.cache_dir), "data.cache_dir", directory=True)
 
 
 def check_launch(cfg: RunConfig, overrides: Sequence[str], device_type: Optional[str] = None) -> None:

@@ -203,6 +203,9 @@ def held_out_sets(req: EvalRequest) -> List[HeldOutSet]:
 
 def run_eval(req: EvalRequest) -> dict:
     """Score every set of the request (and the harness tasks) on one loaded model; returns what eval.json holds."""
+    from ftctl.paths import check_output_path
+
+    check_output_path(Path(req.output), "output", directory=True)  # before the model loads
     sets = held_out_sets(req)
     if not sets and not req.harness:
         raise FtctlError("say what to evaluate on: data.path=SOURCE, data.eval_sets={name: SOURCE, ...} or harness=TASK")

@@ -27,6 +27,7 @@ from ftctl.export.gguf_families import (
 )
 from ftctl.export.gguf_vocab import add_vocab, vocab_for_gguf
 from ftctl.export.tensor_names import gguf_tensor_name, interleave_rotary_rows, split_tensor_names
+from ftctl.paths import check_output_path, make_parent
 from ftctl.progress import progress_bar
 
 log = logging.getLogger("ftctl")
@@ -159,7 +160,7 @@ def write_gguf(model, tokenizer, output, quant: str = DEFAULT_QUANT, *, name: Op
             byte_shape = gguf.quant_shape_to_byte_shape(entry.shape, entry.qtype)
             writer.add_tensor_info(entry.gguf_name, byte_shape, np.dtype(np.uint8), _byte_count(entry.shape, entry.qtype), raw_dtype=entry.qtype)
 
-    output.parent.mkdir(parents=True, exist_ok=True)
+    make_parent(output, "output")
     staging = output.with_name(f".{output.name}.partial-{os.getpid()}")
     try:
         writer.write_header_to_file(path=staging)
@@ -186,3 +187,4 @@ def check_gguf_output(output: Path, overwrite: bool) -> None:
         raise FtctlError(f"output={output} is a directory; give the GGUF file's path, ending in .gguf")
     if output.exists() and not overwrite:
         raise FtctlError(f"output={output} exists; choose another name or pass overwrite=true")
+    check_output_path(output, "output")

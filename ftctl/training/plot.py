@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Optional
 
 from ftctl.errors import FtctlError
+from ftctl.paths import make_parent
 
 log = logging.getLogger("ftctl")
 
@@ -70,8 +71,11 @@ def draw_loss_curve(run_dir, output=None, title: Optional[str] = None) -> Path:
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    out = Path(output) if output else run_dir / PLOT_FILE
-    fig.savefig(out)
+    out = Path(output).expanduser() if output else run_dir / PLOT_FILE
+    formats = fig.canvas.get_supported_filetypes()
+    if out.suffix.lower().lstrip(".") not in formats:
+        raise FtctlError(f"output={out}: matplotlib writes {', '.join('.' + f for f in sorted(formats))}; name the image with one of them")
+    fig.savefig(make_parent(out, "output"))
     return out
 
 
