@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import importlib
 import pkgutil
-from typing import Any, Dict, List, Type
+from typing import Any, Dict, List, Tuple, Type
 
 Message = Dict[str, str]
 ROLES = ("system", "user", "assistant")
@@ -70,7 +70,8 @@ def get_format(name: str) -> DataFormat:
     if name not in available():
         from ftctl.errors import ConfigError, did_you_mean
 
-        raise ConfigError(f"unknown data.format '{name}'.{did_you_mean(name, available())} Available: {', '.join(available())}")
+        choices = [AUTO, *available()]
+        raise ConfigError(f"unknown data.format '{name}'.{did_you_mean(name, choices)} Available: {', '.join(choices)}")
     return _REGISTRY[name]()
 
 
@@ -79,17 +80,39 @@ def guess_format(record: Dict[str, Any]) -> List[str]:
     return [name for name in available() if _REGISTRY[name].looks_like(record)]
 
 
+#: data.format's value that detects each source's format from its first record.
+AUTO = "auto"
+
+
+def detect_format(record: Dict[str, Any]) -> Tuple[str, str]:
+    """(format, why) for ``data.format=auto``: the first format (by name) that the record looks like and
+    converts; else the first it looks like, whose converter then names what is wrong with it."""
+    looks = guess_format(record)
+    readable = [name for name in looks if _converts(name, record)] or looks
+    if not readable:
+        fields = ", ".join(repr(key) for key in sorted(record)) or "none"
+        raise FormatError(f"data.format=auto cannot tell the format of a record with the fields {fields}; "
+                          f"set data.format to one of {', '.join(available())}")
+    name = readable[0]
+    fields = [key for key in _REGISTRY[name].signature_fields if key in record] or sorted(record)
+    why = f"its first record has {', '.join(repr(key) for key in fields)}"
+    return name, why + (f"; it reads as {', '.join(readable[1:])} too" if len(readable) > 1 else "")
+
+
+def _converts(name: str, record: Dict[str, Any]) -> bool:
+    fmt = _REGISTRY[name]()
+    try:
+        fmt.to_text(record) if fmt.plain_text else fmt.to_messages(record)
+    except FormatError:
+        return False
+    return True
+
+
 def other_format_hint(record: Dict[str, Any], tried: str) -> str:
     """' The record reads as data.format=X.' for another format that converts it, or ''."""
     for name in guess_format(record):
-        if name == tried:
-            continue
-        fmt = _REGISTRY[name]()
-        try:
-            fmt.to_text(record) if fmt.plain_text else fmt.to_messages(record)
-        except FormatError:
-            continue
-        return f" The record reads as data.format={name}."
+        if name != tried and _converts(name, record):
+            return f" The record reads as data.format={name}."
     return ""
 
 

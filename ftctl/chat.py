@@ -198,12 +198,13 @@ def _prompt_messages(value, source: str, system: Optional[str]) -> Messages:
 
 def read_prompts(path: str, data_format: Optional[str] = None, system: Optional[str] = None) -> List[PromptItem]:
     """Prompts from a file: records with a 'prompt' field, or any data format's records cut before their last answer."""
+    from data_formats import AUTO
     from ftctl.data.records import read_records
 
     records = read_records(path)
     if not records:
         raise FtctlError(f"{path}: the file holds no prompts")
-    if data_format is None and "prompt" in records[0].data:
+    if data_format in (None, AUTO) and "prompt" in records[0].data:
         items = []
         for record in records:
             if "prompt" not in record.data:

@@ -20,9 +20,9 @@ def write(path, text):
 CASES = {
     "malformed_json_line": (lambda d: [f"data.path={write(d / 'x.jsonl', json.dumps(GOOD) + chr(10) + '{oops' + chr(10))}"],
                             r"x\.jsonl:2: malformed JSON line"),
-    "missing_field": (lambda d: [f"data.path={write(d / 'x.jsonl', json.dumps({'instruction': 'a'}) + chr(10))}"],
+    "missing_field": (lambda d: ["data.format=alpaca", f"data.path={write(d / 'x.jsonl', json.dumps({'instruction': 'a'}) + chr(10))}"],
                       r"x\.jsonl:1: not a valid 'alpaca' record: missing required field 'output'"),
-    "wrong_format": (lambda d: [f"data.path={write(d / 'x.jsonl', json.dumps({'messages': [{'role': 'user', 'content': 'a'}, {'role': 'assistant', 'content': 'b'}]}) + chr(10))}"],
+    "wrong_format": (lambda d: ["data.format=alpaca", f"data.path={write(d / 'x.jsonl', json.dumps({'messages': [{'role': 'user', 'content': 'a'}, {'role': 'assistant', 'content': 'b'}]}) + chr(10))}"],
                      r"reads as data.format=(sharegpt|openai)"),
     "empty_dataset": (lambda d: [f"data.path={write(d / 'x.jsonl', '')}"], r"x\.jsonl: the file holds no examples"),
     "all_masked": (lambda d: [f"data.path={write(d / 'x.jsonl', json.dumps({'instruction': 'w ' * 60, 'output': 'x'}) + chr(10))}",
@@ -41,6 +41,9 @@ CASES = {
     "unknown_attention": (lambda d: ["model.attn_implementation=flash"], r"model.attn_implementation='flash' is not one of auto, sdpa, eager"),
     "flash_attention_here": (lambda d: ["model.attn_implementation=flash_attention_2"],
                              r"flash_attention_2 (runs only on CUDA GPUs|needs the flash_attn package)"),
+    "undetectable_format": (lambda d: [f"data.path={write(d / 'x.jsonl', json.dumps({'question': 'a', 'answer': 'b'}) + chr(10))}"],
+                            r"x\.jsonl:1: data.format=auto cannot tell the format of a record with the fields 'answer', 'question'; "
+                            r"set data.format to one of alpaca, "),
     "unknown_format": (lambda d: ["data.format=alpacca"], r"unknown data.format 'alpacca'. Did you mean 'alpaca'\?"),
 }
 

@@ -64,7 +64,7 @@ def test_a_directory_of_files_is_read_in_name_order(tmp_path, tiny_model_dir, ca
     (folder / "notes.txt").write_text("not data")
     rc, out, err = preview(capsys, tiny_model_dir, f"data.path={folder}", n=6)
     assert rc == 0, err
-    assert out.startswith(f"6 examples from {folder} (format alpaca)")
+    assert out.startswith(f"6 examples from {folder} (format alpaca; data.format=auto: its first record has 'instruction', 'output')")
     assert [re.search(r"Say (\d)", e).group(1) for e in shown_examples(out)] == ["0", "1", "2", "3", "4", "5"]
     empty = tmp_path / "empty"
     empty.mkdir()
@@ -237,19 +237,21 @@ def test_a_mixture_trains_each_source_in_its_format_logs_the_shares_and_resumes_
     mixture = f"data.mixture=[{{path:{alpaca},weight:3}},{{path:{chats},format:sharegpt,weight:1}}]"
     rc, out, err = preview(capsys, tiny_model_dir, mixture, n=8)
     assert rc == 0, err
-    assert out.startswith(f"8 examples from a mixture of 75.0% {alpaca}: alpaca, weight 3, 6 examples; 25.0% {chats}: sharegpt, weight 1, 2 examples")
+    assert out.startswith(f"8 examples from a mixture of 75.0% {alpaca}: alpaca (data.format=auto: its first record has 'instruction', "
+                          f"'output'), weight 3, 6 examples; 25.0% {chats}: sharegpt, weight 1, 2 examples")
     examples = shown_examples(out)
     assert sum("Say" in e for e in examples) == 6 and sum("\u27e6Pong.<|im_end|>" in e or "\u27e6Yo<|im_end|>" in e for e in examples) == 2
 
     rc = main(["train", "recipe=tiny_lora", f"model.name_or_path={tiny_model_dir}", mixture, "precision=fp32", "--dry-run"])
     out = capsys.readouterr().out
-    assert rc == 0 and f"data       mixture of 75% alpaca {alpaca}, 25% sharegpt {chats}" in out
+    assert rc == 0 and f"data       mixture of 75% auto {alpaca}, 25% sharegpt {chats}" in out
 
     common = ("precision=fp32", mixture, "train.max_steps=4", "train.save_every=2", "train.global_batch_size=4", "train.micro_batch_size=2")
     setup_logging()  # the run's log to stdout, as the CLI has it
     full, full_metrics = run_training(make_cfg(*common))
     log = capsys.readouterr().out
-    assert f"data mixture, each epoch's share: 75.0% {alpaca}: alpaca, weight 3, 6 examples; 25.0% {chats}: sharegpt" in log
+    assert f"data mixture, each epoch's share: 75.0% {alpaca}: alpaca (data.format=auto: its first record has 'instruction', 'output'), " \
+           f"weight 3, 6 examples; 25.0% {chats}: sharegpt" in log
     resumed_cfg = make_cfg(*common, f"output_dir={tmp_path / 'resumed'}", "resume=checkpoints")
     resumed_cfg.resume = str(full.run_dir / "checkpoints" / "step-2")
     _, resumed_metrics = run_training(resumed_cfg)
@@ -293,8 +295,10 @@ def test_text_format_trains_every_token_and_splits_long_documents(tmp_path, tiny
     bad = write_jsonl(tmp_path / "bad.jsonl", [{"content": "x"}])
     rc, _, err = preview(capsys, tiny_model_dir, f"data.path={bad}", "data.format=text")
     assert rc == 1 and "bad.jsonl:1: not a valid 'text' record: missing required field 'text'" in err
-    rc, _, err = preview(capsys, tiny_model_dir, f"data.path={path}")  # the recipe's format, alpaca
+    rc, _, err = preview(capsys, tiny_model_dir, f"data.path={path}", "data.format=alpaca")
     assert rc == 1 and err.strip().endswith("The record reads as data.format=text.")
+    rc, out, err = preview(capsys, tiny_model_dir, f"data.path={path}", "data.max_seq_len=32", n=1)  # data.format=auto
+    assert rc == 0 and f"{path} (format text; data.format=auto: its first record has 'text')" in out, err
 
 
 # --- chat templates by name ------------------------------------------------------------------------------

@@ -181,7 +181,7 @@ def test_eval_recipe_supplies_model_and_held_out_file():
 
     req = request_from_overrides(["recipe=smollm2_demo", "n=5"])
     assert req.model == "smollm2-135m-instruct" and req.data_path.endswith("orders_heldout.alpaca.jsonl")
-    assert req.data_format == "alpaca" and req.n == 5
+    assert req.data_format == "auto" and req.n == 5  # detected from the file
     req = request_from_overrides(["recipe=smollm2_demo", "adapter=runs/x"])
     assert req.model is None and req.adapter == "runs/x"
 

@@ -82,7 +82,7 @@ class PrecisionConfig:
 @dataclass
 class MixtureSource:
     path: str = option(OMEGA_MISSING, "A source as data.path takes it: file, directory, saved dataset or hub id.")
-    format: Optional[str] = option(None, "Its record format; default data.format.")
+    format: Optional[str] = option(None, "Its record format (or auto); default data.format.")
     weight: float = option(1.0, "Its share of the training examples, relative to the other sources' weights.")
     split: Optional[str] = option(None, "Saved dataset dicts and hub datasets: the split; default data.split.")
     subset: Optional[str] = option(None, "Hub datasets: the subset (configuration); default data.subset.")
@@ -104,7 +104,10 @@ class EvalSet:
 
 @dataclass
 class DataConfig:
-    format: str = option("alpaca", "Record format, a module in data_formats/: alpaca, sharegpt, openai, text, ...")
+    format: str = option(
+        "auto", "Record format, a module in data_formats/: alpaca, sharegpt, openai, text, ...; auto (the default) detects "
+        "each file's (and each mixture source's) from its first record and logs why."
+    )
     path: Optional[str] = option(
         None,
         "Training data: a .json/.jsonl/.parquet file, a directory of them, a datasets.save_to_disk directory, "

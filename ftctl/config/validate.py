@@ -98,14 +98,15 @@ def validate(cfg: RunConfig, needs_data: bool = True) -> None:
         _choice("train.report_to", tracker, TRACKERS)
 
     _choice("model.attn_implementation", cfg.model.attn_implementation, ATTENTION_KERNELS)
-    from data_formats import get_format
+    from data_formats import AUTO, get_format
 
-    get_format(d.format)
+    if d.format != AUTO:
+        get_format(d.format)
     if needs_data and not d.path and not d.mixture:
         raise ConfigError("data.path has no value; set data.path=FILE (or a directory, a save_to_disk directory, a hub "
                           "dataset id) or data.mixture=[{path: ..., weight: ...}, ...]")
     for i, source in enumerate(d.mixture):
-        if source.format:
+        if source.format and source.format != AUTO:
             get_format(source.format)
         if not source.weight > 0:
             raise ConfigError(f"data.mixture[{i}].weight={source.weight} must be > 0")

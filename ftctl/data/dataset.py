@@ -14,7 +14,7 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
-from data_formats import FormatError, get_format, other_format_hint
+from data_formats import AUTO, FormatError, available, detect_format, get_format, other_format_hint
 from ftctl.config.schema import DataConfig
 from ftctl.data.records import Record
 from ftctl.data.render import TemplateError, ensure_chat_template, tokenize_conversation, tokenize_text
@@ -23,7 +23,7 @@ from ftctl.errors import FtctlError
 from ftctl.paths import ftctl_home
 
 log = logging.getLogger("ftctl")
-_CACHE_VERSION = 2  # 2: keyed by the source (file, directory, saved or hub dataset), not a file alone
+_CACHE_VERSION = 3  # 2: keyed by the source (file, directory, saved or hub dataset), not a file alone; 3: stats name the format
 
 
 @dataclass
@@ -76,9 +76,11 @@ def _module_fingerprint(module: str) -> str:
 
 
 def format_fingerprint(name: str) -> str:
-    """Hash of the source of the modules defining the format and its base classes: editing a format's code re-tokenizes."""
+    """Hash of the source of the modules defining the format and its base classes (every format's for
+    ``auto``, which may choose any): editing a format's code re-tokenizes."""
     h = hashlib.sha256()
-    for module in sorted({cls.__module__ for cls in type(get_format(name)).__mro__ if cls.__module__ != "builtins"}):
+    names = available() if name == AUTO else [name]
+    for module in sorted({cls.__module__ for n in names for cls in type(get_format(n)).__mro__ if cls.__module__ != "builtins"}):
         try:
             h.update(inspect.getsource(sys.modules[module]).encode())
         except (KeyError, OSError, TypeError):
@@ -114,12 +116,19 @@ def tokenize_file(path: str | Path, cfg: DataConfig, tokenizer) -> TokenizedData
 
 
 def tokenize_records(records: List[Record], source: DataSource, data_format: str, cfg: DataConfig, tokenizer) -> TokenizedDataset:
-    fmt = get_format(data_format)
     ids, labels, offsets = [], [], [0]
     stats = {"examples": 0, "truncated": 0, "dropped_no_trained_tokens": 0}
     where = source.location if source.kind != "hub" else source.value
     if not records:
         raise FtctlError(f"{where}: the {'file' if source.kind == 'file' else 'dataset'} holds no examples")
+    stats.update(source=source.describe(), key=source.key, format=data_format, format_detected=None)
+    if data_format == AUTO:
+        try:
+            data_format, stats["format_detected"] = detect_format(records[0].data)
+        except FormatError as exc:
+            raise FtctlError(f"{records[0].source}: {exc}") from None
+        stats["format"] = data_format
+    fmt = get_format(data_format)
     for record in records:
         try:
             if fmt.plain_text:
@@ -236,7 +245,8 @@ def _build_mixture(cfg: DataConfig, tokenizer, seed: int) -> Tuple[TokenizedData
         train, held_out = _hold_out(load_or_tokenize(source, cfg, tokenizer, data_format), cfg.eval_fraction, seed + i)
         trains.append(train)
         evals += [held_out] if held_out is not None else []
-        described.append({"source": source.describe(), "format": data_format, "weight": entry.weight, "examples": len(train)})
+        described.append({"source": source.describe(), "format": train.stats["format"], "format_detected": train.stats["format_detected"],
+                          "weight": entry.weight, "examples": len(train)})
     combined = _concatenate(trains)
     combined.mixture = Mixture(tuple(len(t) for t in trains), tuple(float(e.weight) for e in cfg.mixture))
     for name in ("examples", "truncated", "dropped_no_trained_tokens", "split_documents"):
@@ -259,10 +269,18 @@ def _concatenate(parts: List[TokenizedDataset]) -> TokenizedDataset:
     )
 
 
+def format_summary(stats: dict) -> str:
+    """"data.path=x.jsonl: sharegpt (data.format=auto: its first record has 'conversations')" for the log."""
+    detected = stats.get("format_detected")
+    return f"{stats.get('key')}={stats.get('source')}: {stats.get('format')}" + (f" (data.format=auto: {detected})" if detected else "")
+
+
 def mixture_summary(stats: dict) -> str:
     """'75.0% a.jsonl: alpaca, weight 3, 40 examples; 25.0% ...' for the log and the preview."""
     return "; ".join(
-        f"{part['share']:.1%} {part['source']}: {part['format']}, weight {part['weight']:g}, {part['examples']} examples"
+        f"{part['share']:.1%} {part['source']}: {part['format']}"
+        + (f" (data.format=auto: {part['format_detected']})" if part.get("format_detected") else "")
+        + f", weight {part['weight']:g}, {part['examples']} examples"
         for part in stats.get("mixture", [])
     )
 

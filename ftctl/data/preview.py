@@ -46,7 +46,8 @@ def preview(cfg: RunConfig, n: int, color: bool = False) -> None:
         # What the first steps train on, so every source shows.
         shown = sampler_for(train, max(n, 1), cfg.seed, cfg.data.shuffle).global_batch(0)[:n]
     else:
-        origin = f"{cfg.data.path} (format {cfg.data.format})"
+        detected = f"; data.format=auto: {stats['format_detected']}" if stats.get("format_detected") else ""
+        origin = f"{cfg.data.path} (format {stats.get('format', cfg.data.format)}{detected})"
         shown = list(range(min(n, len(train))))
     print(f"{len(train)} examples from {origin}; {stats.get('truncated', 0)} truncated to "
           f"data.max_seq_len={cfg.data.max_seq_len}, {stats.get('dropped_no_trained_tokens', 0)} dropped with no trained token; "

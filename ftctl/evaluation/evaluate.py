@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
 
-from data_formats import FormatError, get_format, guess_format, other_format_hint
+from data_formats import AUTO, FormatError, detect_format, get_format, other_format_hint
 from ftctl.data.render import trains
 from ftctl.data.sources import DataSource, locate, read_source
 from ftctl.errors import FtctlError
@@ -72,11 +72,12 @@ def read_held_out(source: DataSource, data_format: Optional[str], n: int = 0):
     records = read_source(source)
     if not records:
         raise FtctlError(f"{source.value}: the {'file' if source.kind == 'file' else 'dataset'} holds no examples")
-    if data_format is None:
-        guesses = guess_format(records[0].data)
-        if not guesses:
-            raise FtctlError(f"{records[0].source}: cannot tell the record format; set data.format")
-        data_format = guesses[0]
+    if data_format in (None, AUTO):
+        try:
+            data_format, why = detect_format(records[0].data)
+        except FormatError as exc:
+            raise FtctlError(f"{records[0].source}: {exc}") from None
+        log.info("%s: %s (data.format=auto: %s)", source.describe(), data_format, why)
     get_format(data_format)
     return data_format, records[: n or None]
 

@@ -259,7 +259,10 @@ def _log_data(backend, train_data, eval_data, evals: RunEvals) -> None:
         "".join(f", {n} in eval set {name}" for name, n in evals.named_sizes.items()),
         s.get("truncated", 0), s.get("dropped_no_trained_tokens", 0), s.get("cache", "-"),
     )
-    if s.get("mixture"):
-        from ftctl.data.dataset import mixture_summary
+    from ftctl.data.dataset import format_summary, mixture_summary
 
+    if s.get("mixture"):
         log.info("data mixture, each epoch's share: %s", mixture_summary(s))
+    for data in (train_data, eval_data):
+        if data is not None and data.stats.get("format"):
+            log.info("data format: %s", format_summary(data.stats))
