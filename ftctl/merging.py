@@ -119,7 +119,7 @@ def _parameter_wrapper_target(name: str) -> Tuple[str, int]:
 def adapter_mismatches(base_model: torch.nn.Module, shapes: Dict[str, Tuple[int, ...]], fan_in_fan_out: bool = False) -> List[str]:
     """Every adapter tensor that has no place in ``base_model`` or a shape that does not fit there."""
     modules = dict(base_model.named_modules())
-    params = dict(base_model.named_parameters())
+    params = dict(base_model.named_parameters(remove_duplicate=False))  # a tied head is a parameter of its own name too
     problems = []
     for key, shape in sorted(shapes.items()):
         match = _LORA_KEY.match(key)
@@ -145,6 +145,14 @@ def adapter_mismatches(base_model: torch.nn.Module, shapes: Dict[str, Tuple[int,
     return problems
 
 
+def _grown_to(model: torch.nn.Module, adapter_dir: Path) -> torch.nn.Module:
+    """The base with as many embedding and output rows as the adapter trained (data.add_special_tokens added tokens)."""
+    rows = (read_adapter_info(adapter_dir) or {}).get("vocab_rows")
+    if rows and model.get_input_embeddings().weight.shape[0] < rows:
+        model.resize_token_embeddings(rows, mean_resizing=False)  # the adapter's trained rows replace these
+    return model
+
+
 def _check_base_fits(adapter_dir: Path, adapter_config: dict, base_path: str, tokenizer) -> None:
     """Compare the adapter with the base's architecture on the meta device: no weights are read."""
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -154,7 +162,7 @@ def _check_base_fits(adapter_dir: Path, adapter_config: dict, base_path: str, to
     except (OSError, ValueError) as exc:
         raise FtctlError(f"could not read the base model config from {base_path}: {str(exc).splitlines()[0]}") from None
     with torch.device("meta"):
-        skeleton = AutoModelForCausalLM.from_config(config)
+        skeleton = _grown_to(AutoModelForCausalLM.from_config(config), adapter_dir)
     problems = adapter_mismatches(skeleton, adapter_tensor_shapes(adapter_dir), adapter_config.get("fan_in_fan_out", False))
     vocab_rows = skeleton.get_input_embeddings().weight.shape[0]
     if len(tokenizer) > vocab_rows:
@@ -217,6 +225,7 @@ def merge_adapter(adapter_dir, base: Optional[str] = None, dtype: str = "float32
 
         from peft import PeftModel
 
+        _grown_to(base_model, adapter_dir)
         try:
             stage("load adapter")
             peft_model = PeftModel.from_pretrained(base_model, str(adapter_dir))

@@ -87,8 +87,8 @@ def test_multi_turn_masks_exactly_the_prompt(tokenizer):
     messages = get_format("sharegpt").to_messages(MULTI_TURN)
     example = tokenize_conversation(messages, tokenizer, max_seq_len=512)
     spans = [tokenizer.decode(s) for s in trained_spans(example.input_ids, example.labels)]
-    # Both assistant turns train, each with its end-of-turn token (this tokenizer's EOS).
-    assert spans == ["6<|im_end|>\n", "tac<|im_end|>\n"]
+    # Both assistant turns train, each with its end-of-turn token (this tokenizer's EOS), not the newline after it.
+    assert spans == ["6<|im_end|>", "tac<|im_end|>"]
     masked = tokenizer.decode([t for t, l in zip(example.input_ids, example.labels) if l == IGNORE_INDEX])
     for prompt_text in ("Be terse.", "What is 2 times 3?", "And cat backwards?", "<|im_start|>assistant\n"):
         assert prompt_text in masked
@@ -108,14 +108,14 @@ def test_only_assistant_turns_answering_a_user_train(tokenizer):
     ]}
     messages = get_format("sharegpt").to_messages(record)
     example = tokenize_conversation(messages, tokenizer, max_seq_len=512)
-    assert [tokenizer.decode(s) for s in trained_spans(example.input_ids, example.labels)] == ["6<|im_end|>\n"]
+    assert [tokenizer.decode(s) for s in trained_spans(example.input_ids, example.labels)] == ["6<|im_end|>"]
     assert tokenizer.decode(example.input_ids).startswith("<|im_start|>assistant\nHello, how can I help?")
     everything = tokenize_conversation(messages, tokenizer, max_seq_len=512, train_on_prompt=True)
     assert everything.labels == everything.input_ids == example.input_ids
     # A completion prompted by a system turn alone trains.
     prompted = [{"role": "system", "content": "Write a haiku."}, {"role": "assistant", "content": "Leaves"}]
     trained = tokenize_conversation(prompted, tokenizer, max_seq_len=512)
-    assert [tokenizer.decode(s) for s in trained_spans(trained.input_ids, trained.labels)] == ["Leaves<|im_end|>\n"]
+    assert [tokenizer.decode(s) for s in trained_spans(trained.input_ids, trained.labels)] == ["Leaves<|im_end|>"]
 
 
 def test_a_file_with_nothing_to_train_says_so(tmp_path, tokenizer):
@@ -202,8 +202,9 @@ def test_multi_turn_works_when_the_tokenizer_merges_across_turn_boundaries(tiny_
     assert _turn_pieces(messages, lambda m, gen: _ids(tok, m, gen)) is None  # the token-prefix route fails here
     example = tokenize_conversation(messages, tok, max_seq_len=512)
     spans = [tok.decode(s) for s in trained_spans(example.input_ids, example.labels)]
-    assert spans == [f"6{tok.eos_token}\n\n", f"tac{tok.eos_token}\n\n"]
-    assert tok.decode(example.input_ids) == tok.apply_chat_template(messages, tokenize=False)
+    assert spans == [f"6{tok.eos_token}", f"tac{tok.eos_token}"]  # the generation blocks: not the "\n\n" after them
+    # The whole rendering, but the "\n\n" after the last answer (nothing after it is trained).
+    assert tok.decode(example.input_ids) + "\n\n" == tok.apply_chat_template(messages, tokenize=False)
 
 
 def test_truncation_is_counted_and_fully_masked_examples_dropped(tmp_path, tokenizer):
@@ -343,8 +344,8 @@ def test_preview_marks_trained_spans(tokenizer):
     messages = get_format("sharegpt").to_messages(MULTI_TURN)
     example = tokenize_conversation(messages, tokenizer, max_seq_len=512)
     text = mark_spans(tokenizer, example.input_ids, example.labels)
-    assert f"{TRAINED_OPEN}6<|im_end|>\n{TRAINED_CLOSE}" in text
-    assert f"{TRAINED_OPEN}tac<|im_end|>\n{TRAINED_CLOSE}" in text
+    assert f"{TRAINED_OPEN}6<|im_end|>{TRAINED_CLOSE}\n" in text
+    assert f"{TRAINED_OPEN}tac<|im_end|>{TRAINED_CLOSE}" in text
     assert text.count(TRAINED_OPEN) == 2
     everything = tokenize_conversation(messages, tokenizer, max_seq_len=512, train_on_prompt=True)
     # Even with train_on_prompt the first token is no target (nothing precedes it), and the preview says so.

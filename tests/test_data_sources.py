@@ -378,7 +378,7 @@ def test_chatml_by_name_trains_the_answer_and_its_end_marker(tiny_model_no_templ
     example = shown_examples(out)[0]
     assert example.startswith("<|im_start|>system\nAnswer with a JSON object.<|im_end|>\n<|im_start|>user\n")
     trained = re.findall("\u27e6(.*?)\u27e7", example, re.S)
-    assert trained == ['{"colour": "green", "animal": "cat"}<|im_end|>\n<|endoftext|>']
+    assert trained == ['{"colour": "green", "animal": "cat"}<|im_end|><|endoftext|>']  # EOS right after the end of turn
 
 
 def test_a_run_with_a_named_template_trains_whole_answers_and_saves_the_template(tiny_model_no_template_dir, make_cfg,

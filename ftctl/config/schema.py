@@ -135,6 +135,10 @@ class DataConfig:
         "Chat template overriding the tokenizer's: a name (chatml, llama3, mistral, gemma, phi3, alpaca), a Jinja "
         "string or a .jinja file; the documented fallback is used when neither exists.",
     )
+    add_special_tokens: bool = option(
+        False, "Add the named chat_template's special tokens the tokenizer splits (e.g. llama3's <|eot_id|> on another "
+        "family's tokenizer) as tokens: the embeddings and output head grow and train (adapters: through modules_to_save)."
+    )
     system_prompt: Optional[str] = option(None, "System message added to examples that carry none.")
     pad_to_multiple_of: int = option(8, "Pad each micro-batch to a multiple of this many tokens.")
     packing: bool = option(

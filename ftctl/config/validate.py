@@ -118,6 +118,13 @@ def validate(cfg: RunConfig, needs_data: bool = True) -> None:
     check_best_metric(cfg)
     if d.chat_template:
         check_chat_template("data.chat_template", d.chat_template)
+    if d.add_special_tokens:
+        from ftctl.data.chat_templates import TEMPLATE_SPECIAL_TOKENS
+
+        named = [name for name, tokens in TEMPLATE_SPECIAL_TOKENS.items() if tokens]
+        if d.chat_template not in named:
+            raise ConfigError(f"data.add_special_tokens=true adds a named template's special tokens; set data.chat_template "
+                              f"to one of {', '.join(named)} (now: {d.chat_template})")
     if d.max_seq_len < 16:
         raise ConfigError(f"data.max_seq_len={d.max_seq_len} is too small to hold a prompt and an answer (>= 16)")
     if not 0.0 <= d.eval_fraction < 1.0:

@@ -82,6 +82,18 @@ CHAT_TEMPLATES: Dict[str, str] = {
 }
 
 
+#: The special tokens each named template writes, which its family's tokenizer holds as single tokens. Mistral's
+#: [INST] markers are not listed: its original tokenizer reads them as plain text; its end of turn is EOS.
+TEMPLATE_SPECIAL_TOKENS: Dict[str, tuple] = {
+    "chatml": ("<|im_start|>", "<|im_end|>"),
+    "llama3": ("<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"),
+    "mistral": (),
+    "gemma": ("<start_of_turn>", "<end_of_turn>"),
+    "phi3": ("<|system|>", "<|user|>", "<|assistant|>", "<|end|>"),
+    "alpaca": (),
+}
+
+
 def resolve_chat_template(value: str, key: str = "data.chat_template") -> str:
     """The Jinja text a ``chat_template`` value stands for: a named template, a Jinja string, or a file's content."""
     if value in CHAT_TEMPLATES:

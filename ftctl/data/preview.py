@@ -7,6 +7,7 @@ from ftctl.data.batching import sampler_for
 from ftctl.data.dataset import build_datasets, mixture_summary
 from ftctl.data.render import IGNORE_INDEX
 from ftctl.data.sources import locate_all
+from ftctl.data.template_tokens import add_template_tokens
 from ftctl.models.loading import load_tokenizer, resolve_model_path
 
 TRAINED_OPEN, TRAINED_CLOSE = "\u27e6", "\u27e7"  # ⟦trained⟧
@@ -38,6 +39,7 @@ def mark_spans(tokenizer, input_ids, labels, color: bool = False) -> str:
 def preview(cfg: RunConfig, n: int, color: bool = False) -> None:
     locate_all(cfg.data)  # a missing file or an unreachable hub dataset is a message before the tokenizer loads
     tokenizer = load_tokenizer(cfg.model, resolve_model_path(cfg.model.name_or_path))
+    add_template_tokens(tokenizer, cfg.data.chat_template, cfg.data.add_special_tokens)  # tokenized as the run will
     train, _ = build_datasets(cfg.data, tokenizer, cfg.seed)
     legend = f"{GREEN}green{RESET}" if color else f"{TRAINED_OPEN}…{TRAINED_CLOSE}"
     stats = train.stats

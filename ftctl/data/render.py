@@ -1,19 +1,26 @@
 """Render a conversation with the tokenizer's chat template and mark which tokens are trained.
 
-Every assistant turn after a prompt is trained together with the end-of-turn tokens the template
-puts after it (EOS included); system and user turns, an assistant turn opening the conversation and
-assistant turns marked untrained are masked with -100 unless ``train_on_prompt``.
+Every assistant turn after a prompt is trained, its end-of-turn token included; system and user
+turns, an assistant turn opening the conversation and assistant turns marked untrained are masked
+with -100 unless ``train_on_prompt``.
 
-Spans come from rendering prefixes: the tokens an assistant turn adds are those of the
+Turns come from rendering prefixes: the tokens an assistant turn adds are those of the
 conversation up to and including it, minus those of the conversation before it with the
 generation prompt. This works for any template whose renderings extend each other, which is
 checked, so a template that breaks the assumption is an error rather than silently wrong labels.
 Where the renderings extend each other as text but not as tokens (a tokenizer merging characters
 across a turn boundary), the text is cut at the turn boundaries and each piece tokenized alone.
+
+Within an answer's tokens, exactly those its template's ``{% generation %}`` block covers are
+trained (the tokens transformers' ``return_assistant_tokens_mask`` marks): the answer and its
+end-of-turn marker, not the newline a template writes after it. A template without the block
+(many tokenizers' own) trains the answer up to its last special token; whitespace after that
+belongs to the next turn.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -25,10 +32,12 @@ FALLBACK_CHAT_TEMPLATE = (
     "{% for message in messages %}"
     "{% if message['role'] == 'system' %}{{ message['content'] + '\n\n' }}"
     "{% elif message['role'] == 'user' %}{{ '### User:\n' + message['content'] + '\n\n' }}"
-    "{% elif message['role'] == 'assistant' %}{{ '### Assistant:\n' + message['content'] + eos_token + '\n\n' }}"
+    "{% elif message['role'] == 'assistant' %}{{ '### Assistant:\n' }}"
+    "{% generation %}{{ message['content'] + eos_token }}{% endgeneration %}{{ '\n\n' }}"
     "{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}{{ '### Assistant:\n' }}{% endif %}"
 )
+_GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
 
 class TemplateError(ValueError):
@@ -103,8 +112,10 @@ def _turn_pieces(messages: List[Dict[str, str]], render) -> Optional[List[Tuple[
 def tokenize_conversation(
     messages: List[Dict[str, str]], tokenizer, max_seq_len: int, train_on_prompt: bool = False
 ) -> TokenizedExample:
+    marked = generation_spans(tokenizer, messages)
     pieces = _turn_pieces(messages, lambda m, gen: _ids(tokenizer, m, gen))
-    if pieces is None:
+    tokens = _mark_token_pieces(pieces, tokenizer, marked) if pieces is not None else None
+    if tokens is None:
         # Tokenizers can merge across a turn boundary: "\n\n" ending a rendering is one token, the same
         # "\n\n" before "### User" two. Then the text is cut at the turn boundaries and each piece is
         # tokenized on its own (as LLaMA-Factory always does), provided the texts extend each other.
@@ -114,23 +125,105 @@ def tokenize_conversation(
                 "the chat template does not render conversations as extensions of their prefixes, so "
                 "assistant spans cannot be located; set data.chat_template to a template that does"
             )
-        pieces = [(tokenizer.encode(text, add_special_tokens=False), is_answer) for text, is_answer in texts]
+        tokens = _mark_text_pieces(texts, tokenizer, marked)
     input_ids: List[int] = []
     labels: List[int] = []
-    answer_part: List[int] = []
-    for part, is_answer in pieces:
-        part = list(part)
+    last_answer: List[int] = []
+    end = 0  # just after the last answer's last trained token: what its template writes after that precedes nothing to learn
+    for part, trained, is_answer in tokens:
+        labels += [token if is_trained or train_on_prompt else IGNORE_INDEX for token, is_trained in zip(part, trained)]
+        end = max([end] + [len(input_ids) + k + 1 for k, is_trained in enumerate(trained) if is_trained])
         input_ids += part
-        labels += part if is_answer or train_on_prompt else [IGNORE_INDEX] * len(part)
         if is_answer:
-            answer_part = part
+            last_answer = [token for token, is_trained in zip(part, trained) if is_trained]
+    input_ids, labels = input_ids[:end], labels[:end]
     eos = tokenizer.eos_token_id
-    if eos is not None and labels and eos not in answer_part:
-        # Templates that close a turn without EOS would teach a model never to stop.
+    if eos is not None and last_answer and eos not in last_answer:
+        # Templates that close a turn without EOS would teach a model never to stop: it follows the end of turn.
         input_ids.append(eos)
         labels.append(eos)
     truncated = len(input_ids) > max_seq_len
     return TokenizedExample(input_ids[:max_seq_len], labels[:max_seq_len], truncated)
+
+
+Spans = List[Tuple[int, int]]
+#: Token pieces with, per token, whether it trains, and whether the piece is an answer.
+MarkedPieces = List[Tuple[List[int], List[bool], bool]]
+
+
+def generation_spans(tokenizer, messages: List[Dict[str, str]]) -> Optional[Tuple[str, Spans]]:
+    """(the conversation's rendering, the character spans of its template's ``{% generation %}`` blocks),
+    or None when the template has no such block. transformers' ``return_assistant_tokens_mask`` marks
+    the tokens that overlap these spans."""
+    template = getattr(tokenizer, "chat_template", None)
+    if not isinstance(template, str) or not _GENERATION_TAG.search(template) or not messages:
+        return None
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    rendered, indices = render_jinja_template(conversations=[messages], chat_template=template,
+                                              return_assistant_tokens_mask=True, **tokenizer.special_tokens_map)
+    return rendered[0], [tuple(span) for span in indices[0]]
+
+
+def _overlaps(start: int, end: int, spans: Spans) -> bool:
+    return any(end > a and start < b for a, b in spans)
+
+
+def _mark_token_pieces(pieces, tokenizer, marked) -> Optional[MarkedPieces]:
+    """Each token-level piece with its trained tokens; None when the rendering's offsets cannot be matched to
+    the pieces' tokens (a slow tokenizer, or tokens that differ), which the text path then handles."""
+    if marked is None:
+        return [(list(part), _up_to_turn_end(part, tokenizer) if is_answer else [False] * len(part), is_answer)
+                for part, is_answer in pieces]
+    text, spans = marked
+    ids = [token for part, _ in pieces for token in part]
+    try:
+        encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    except (NotImplementedError, ValueError, TypeError):
+        return None
+    if list(encoded["input_ids"][: len(ids)]) != ids:
+        return None
+    offsets, out, position = encoded["offset_mapping"], [], 0
+    for part, is_answer in pieces:
+        trained = [is_answer and _overlaps(*offsets[k], spans) for k in range(position, position + len(part))]
+        out.append((list(part), trained, is_answer))
+        position += len(part)
+    return out
+
+
+def _mark_text_pieces(texts, tokenizer, marked) -> MarkedPieces:
+    """Each text piece tokenized alone; an answer's text is cut where its generation block starts and ends."""
+    if marked is not None and not marked[0].startswith("".join(text for text, _ in texts)):
+        marked = None
+    out: MarkedPieces = []
+    start = 0
+    for text, is_answer in texts:
+        end = start + len(text)
+        if not is_answer:
+            cuts = [(text, False)]
+        elif marked is None:
+            part = tokenizer.encode(text, add_special_tokens=False)
+            out.append((part, _up_to_turn_end(part, tokenizer), True))
+            start = end
+            continue
+        else:
+            bounds = sorted({start, end, *(max(start, min(end, b)) for span in marked[1] for b in span)})
+            cuts = [(text[a - start:b - start], _overlaps(a, b, marked[1])) for a, b in zip(bounds, bounds[1:])]
+        for piece, trained in cuts:
+            part = tokenizer.encode(piece, add_special_tokens=False) if piece else []
+            out.append((part, [trained] * len(part), is_answer))
+        start = end
+    return out
+
+
+def _up_to_turn_end(part: Sequence[int], tokenizer) -> List[bool]:
+    """An answer of a template without ``{% generation %}``: trained up to its last special token (its end of
+    turn) when only whitespace follows, which belongs to the next turn; else trained whole."""
+    special = set(tokenizer.all_special_ids) | {i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
+    last = max((k for k, token in enumerate(part) if token in special), default=None)
+    if last is None or tokenizer.decode(list(part[last + 1:])).strip():
+        return [True] * len(part)
+    return [k <= last for k in range(len(part))]
 
 
 def tokenize_text(text: str, tokenizer, max_seq_len: int) -> List[TokenizedExample]:

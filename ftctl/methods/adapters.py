@@ -58,6 +58,11 @@ def linear_layer_names(model: torch.nn.Module) -> List[str]:
                   if isinstance(module, (torch.nn.Linear, Conv1D)) and module is not head)
 
 
+def _tied(model: torch.nn.Module) -> bool:
+    head = model.get_output_embeddings()
+    return head is not None and head.weight is model.get_input_embeddings().weight
+
+
 def read_adapter_info(adapter_dir: Path) -> Optional[dict]:
     """What :meth:`AdapterMethod.save` recorded about the base, or None for adapters made elsewhere."""
     path = Path(adapter_dir) / ADAPTER_INFO_FILE
@@ -84,6 +89,7 @@ class AdapterMethod(Method):
 
         m = self.cfg.method
         base = self.load_base(model_path, precision, device)
+        self.grow_vocabulary(base)
         base.requires_grad_(False)
         targets = lora_target_modules(m.target_modules)
         left_out = unadaptable_by_dora(base) if self.use_dora and targets == "all-linear" else []
@@ -99,7 +105,9 @@ class AdapterMethod(Method):
             target_modules=targets,
             use_dora=self.use_dora,
             use_rslora=m.use_rslora,
-            modules_to_save=list(m.modules_to_save) or None,
+            modules_to_save=list(m.modules_to_save) + self._vocabulary_modules(base) or None,
+            # Tied embeddings stay tied when both sides are trained in full (modules_to_save).
+            ensure_weight_tying=bool(self.new_token_ids) and _tied(base),
             bias="none",
             task_type="CAUSAL_LM",
         )
@@ -125,10 +133,19 @@ class AdapterMethod(Method):
         use_fused_lora_forward(model)  # same function, fewer passes over full-width activations
         return model
 
+    def _vocabulary_modules(self, base) -> List[str]:
+        """The embedding and output head, trained in full when data.add_special_tokens added rows to them."""
+        if not self.new_token_ids:
+            return []
+        names = {module: name for name, module in base.named_modules()}
+        return [names[module] for module in (base.get_input_embeddings(), base.get_output_embeddings())
+                if module is not None and names[module] not in self.cfg.method.modules_to_save]
+
     def trainable_state_dict(self, model, full_state):
         # Kept in the model's own key names: peft's save_pretrained picks and renames the adapter's
         # entries itself, and resolves modules_to_save only from those names.
-        trained = [name for name, param in model.named_parameters() if param.requires_grad]
+        # Every name of a tied weight: peft saves the head's modules_to_save copy under its own name too.
+        trained = [name for name, param in model.named_parameters(remove_duplicate=False) if param.requires_grad]
         missing = [name for name in trained if name not in full_state]
         if missing:
             raise RuntimeError(f"the gathered state dict lacks trained weights, e.g. {missing[:3]}")
@@ -145,9 +162,12 @@ class AdapterMethod(Method):
             raise FtctlError(f"{ckpt_dir} holds adapter weights this model lacks: {result.unexpected_keys[:3]}")
 
     def save(self, model, tokenizer, out_dir, state_dict=None):
-        model.save_pretrained(out_dir, state_dict=state_dict, safe_serialization=True)
+        # Grown embeddings are saved as modules_to_save; peft would otherwise add the whole layers a second time.
+        model.save_pretrained(out_dir, state_dict=state_dict, safe_serialization=True, save_embedding_layers=False)
         tokenizer.save_pretrained(out_dir)
         info = {"method": self.name, "use_dora": self.use_dora, **self.base_info()}
+        if self.new_token_ids:  # a merge grows the base to this many rows before the adapter loads
+            info["vocab_rows"] = self.vocab_rows
         (Path(out_dir) / ADAPTER_INFO_FILE).write_text(json.dumps(info, indent=2) + "\n")
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Dict, Optional
+from typing import Dict, List, Optional
 
 import torch
 
@@ -15,6 +15,8 @@ class Method:
     """Builds the trainable model and saves what the method produces."""
 
     name = ""
+    #: Tokens the run added to the tokenizer (data.add_special_tokens), which the model grows rows for and trains.
+    new_token_ids: List[int] = []
 
     def __init__(self, cfg: RunConfig):
         self.cfg = cfg
@@ -26,6 +28,16 @@ class Method:
     def build_model(self, model_path: str, precision: PrecisionPolicy, device: torch.device) -> torch.nn.Module:
         """Load the base and make it trainable the method's way: only the right parameters require grad."""
         raise NotImplementedError
+
+    def grow_vocabulary(self, model: torch.nn.Module) -> None:
+        """Give the added tokens embedding and output rows (initialised from the old rows' mean and covariance);
+        the method makes them trainable. A model with spare rows already (padded vocabularies) keeps its size."""
+        if not self.new_token_ids:
+            return
+        needed = max(self.new_token_ids) + 1
+        if model.get_input_embeddings().weight.shape[0] < needed:
+            model.resize_token_embeddings(needed, mean_resizing=True)
+        self.vocab_rows = int(model.get_input_embeddings().weight.shape[0])
 
     def trainable_state_dict(self, model: torch.nn.Module, full_state: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
         """The part of a (gathered) state dict that this method trains; what checkpoints must keep."""

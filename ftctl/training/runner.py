@@ -23,6 +23,7 @@ from ftctl.data.batching import Batching, sampler_for
 from ftctl.data.dataset import build_datasets, build_eval_sets
 from ftctl.errors import FtctlError
 from ftctl.data.prefetch import StepBatches
+from ftctl.data.template_tokens import add_template_tokens
 from ftctl.methods import create_method
 from ftctl.models.checkpointing import enable_activation_checkpointing
 from ftctl.models.kernels import use_kernels
@@ -86,6 +87,8 @@ def _train(cfg: RunConfig, run_dir: Path, backend) -> TrainResult:
 
     model_path = resolve_model_path(cfg.model.name_or_path)
     tokenizer = load_tokenizer(cfg.model, model_path)
+    # A named template's special tokens the tokenizer splits: a warning, or (data.add_special_tokens) new rows to train.
+    method.new_token_ids = add_template_tokens(tokenizer, cfg.data.chat_template, cfg.data.add_special_tokens, say=backend.is_main)
     train_data, eval_data = build_datasets(cfg.data, tokenizer, cfg.seed)
     evals = RunEvals(eval_data, build_eval_sets(cfg.data, tokenizer), cfg.data, t.eval_every)
     _log_data(backend, train_data, eval_data, evals)
