@@ -37,10 +37,12 @@ def lrs(run_dir):
 
 
 def cosine(step, total, lr, warmup=0, floor_ratio=0.1):
-    """The documented cosine schedule, written out independently of ftctl's code."""
+    """The documented cosine schedule, written out independently of ftctl's code: lr at the first step after
+    warmup, lr × floor_ratio at the last (0-based ``total - 1``)."""
     if step < warmup:
         return lr * (step + 1) / warmup
-    progress = (step - warmup) / (total - warmup)
+    last = total - 1
+    progress = (step - warmup) / (last - warmup)
     return lr * floor_ratio + lr * (1 - floor_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
@@ -56,8 +58,8 @@ def test_epochs_count_steps_over_the_users_data_and_warmup_ratio_with_a_linear_d
     metrics = read_metrics(out)
     assert [m["step"] for m in metrics if "loss" in m] == [1, 2, 3, 4, 5, 6]
     assert metrics[-1]["epoch"] == pytest.approx(2.0)
-    # warmup = ceil(0.3 × 6) = 2 steps, then a straight line from lr to min_lr_ratio × lr at step 6.
-    expected = [0.005, 0.01, 0.01, 0.01 - 0.009 * 1 / 4, 0.01 - 0.009 * 2 / 4, 0.01 - 0.009 * 3 / 4]
+    # warmup = ceil(0.3 × 6) = 2 steps, then a straight line from lr (step 3) to min_lr_ratio × lr at step 6.
+    expected = [0.005, 0.01, 0.01, 0.01 - 0.009 * 1 / 3, 0.01 - 0.009 * 2 / 3, 0.001]
     assert [lrs(out)[s] for s in range(1, 7)] == pytest.approx(expected, rel=1e-5)
     saved = yaml.safe_load((out / "config.yaml").read_text())["train"]
     assert saved["epochs"] == 2 and saved["max_steps"] is None and saved["warmup_steps"] == 0
@@ -72,6 +74,13 @@ def test_constant_and_cosine_schedules():
     cos = compose_config(["recipe=tiny_lora", "train.warmup_steps=3", "train.lr=1e-3"]).train
     assert cos.lr_scheduler == "cosine"  # the default
     assert [learning_rate(s, cos, 30) for s in range(30)] == pytest.approx([cosine(s, 30, 1e-3, 3) for s in range(30)])
+    # The README's floor: the last step trains at min_lr_ratio × lr (tiny_lora, 7 steps: 3e-4, once measured 6.95e-4).
+    recipe = compose_config(["recipe=tiny_lora"]).train
+    assert (recipe.lr, recipe.min_lr_ratio, recipe.warmup_steps) == (3e-3, 0.1, 3)
+    assert learning_rate(6, recipe, 7) == pytest.approx(3e-4) and learning_rate(3, recipe, 7) == pytest.approx(3e-3)
+    recipe.lr_scheduler = "linear"
+    assert [learning_rate(s, recipe, 7) for s in range(3, 7)] == pytest.approx([3e-3, 2.1e-3, 1.2e-3, 3e-4])
+    assert learning_rate(3, recipe, 4) == pytest.approx(3e-3)  # one step after warmup: it takes lr
     default = compose_config(["model.name_or_path=tiny-llama", "train.lr=1e-3"], needs_data=False).train
     assert default.max_steps == 100 and default.epochs is None  # neither set: 100 steps, written into config.yaml
 

@@ -37,7 +37,8 @@ WSD_SHAPES = {"linear": lambda p: 1.0 - p, "cosine": _cosine, "1-sqrt": lambda p
 
 
 def learning_rate(step: int, t: TrainConfig, total: int) -> float:
-    """The lr of 0-based ``step`` in a run of ``total`` steps."""
+    """The lr of 0-based ``step`` in a run of ``total`` steps: warmup reaches lr at its last step; linear and
+    cosine decay from lr at the first step after warmup to ``min_lr_ratio × lr`` at the last step."""
     warmup = warmup_steps(t, total)
     if step < warmup:
         return t.lr * (step + 1) / warmup
@@ -53,7 +54,8 @@ def learning_rate(step: int, t: TrainConfig, total: int) -> float:
         shape = WSD_SHAPES[t.wsd_decay_shape](min(1.0, (step + 1 - start) / decay))
         return floor + (t.lr - floor) * shape
     span = max(1, total - warmup)
-    progress = min(1.0, (step - warmup) / span)
+    # Linear and cosine reach the floor at the last step, step total - 1 (one step after warmup: it takes lr).
+    progress = min(1.0, (step - warmup) / max(1, total - 1 - warmup))
     if t.lr_scheduler == "linear":
         shape = 1.0 - progress
     elif t.lr_scheduler == "cosine_restarts":
