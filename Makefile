@@ -11,7 +11,7 @@ STAMP := $(VENV)/.ftctl-installed
 # FTCTL_HOME is deliberately not set here: `make demo` and `ftctl` in the activated venv then share
 # one cache ($FTCTL_HOME if you set it, else ~/.cache/ftctl), so the demo's converted model is reused.
 
-.PHONY: setup demo test test-precision clean
+.PHONY: setup demo test test-precision clean clean-cache
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -35,5 +35,11 @@ test-precision: setup
 	FTCTL_CPU_BF16=1 $(PY) -m pytest -q -m precision tests
 	FTCTL_CPU_BF16=0 $(PY) -m pytest -q -m precision tests
 
+# What this checkout made; the cache of converted models and tokenized data is shared with every
+# other checkout and with `ftctl` itself, so only clean-cache removes it.
 clean:
-	rm -rf $(VENV) .ftctl-home runs .pytest_cache
+	rm -rf $(VENV) runs .pytest_cache
+
+FTCTL_CACHE = $(or $(FTCTL_HOME),$(HOME)/.cache/ftctl)
+clean-cache:
+	rm -rf $(FTCTL_CACHE)

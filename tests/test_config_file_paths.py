@@ -104,3 +104,32 @@ def test_the_readme_example_file_composes(tmp_path, monkeypatch):
     assert cfg.data.eval_path == str(tmp_path / "data" / "orders_heldout.alpaca.jsonl")
     assert (cfg.model.name_or_path, cfg.method.name, cfg.output_dir) == ("smollm2-135m-instruct", "lora", "runs/orders")
     assert cfg.precision.name == "fp32" and cfg.method.r == 8
+
+
+def _code_spans(cell: str, *, outside_parentheses: bool) -> list:
+    if outside_parentheses:
+        cell = re.sub(r"\([^)]*\)", "", cell)
+    return re.findall(r"`([^`]+)`", cell)
+
+
+def test_the_readme_table_of_other_tools_keys_is_what_ftctl_answers():
+    """Each key of axolotl, LLaMA-Factory and TRL in the README's table, given to ftctl, is answered with (one of)
+    the ftctl keys of its row."""
+    from ftctl.config.compose import schema_fields
+    from ftctl.errors import ConfigError
+
+    section = README.read_text().split("### Coming from axolotl, LLaMA-Factory or TRL", 1)[1].split("\n### ", 1)[0]
+    rows = [line.strip("|").split("|") for line in section.splitlines() if line.startswith("| ") and "---" not in line][1:]
+    assert len(rows) >= 25
+    fields, checked = schema_fields(), 0
+    for what, *theirs, ours in rows:
+        answers = _code_spans(ours, outside_parentheses=False)
+        assert answers, what
+        for key in {k for cell in theirs for k in _code_spans(cell, outside_parentheses=True)}:
+            if key in fields:  # the same name in ftctl (output_dir, seed)
+                continue
+            with pytest.raises(ConfigError) as info:
+                compose_config(["recipe=tiny_lora", f"{key}=1"])
+            assert any(answer in str(info.value) for answer in answers), (key, str(info.value), answers)
+            checked += 1
+    assert checked >= 50

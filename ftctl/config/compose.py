@@ -116,6 +116,16 @@ OTHER_TOOLS_NAMES = {
     "num_gpus": "parallel.nproc_per_node", "gpus": "parallel.nproc_per_node", "nproc": "parallel.nproc_per_node",
     "chat_template_name": "data.chat_template", "prompt_template": "data.chat_template",
     "dtype": "precision=fp32, bf16 or fp16", "torch_dtype": "precision=fp32, bf16 or fp16", "mixed_precision": "precision=bf16 or fp16",
+    # The README's "Coming from axolotl, LLaMA-Factory or TRL" table, key for key.
+    "lora_target_linear": "method.target_modules=[all-linear]", "train_on_inputs": "data.train_on_prompt",
+    "val_size": "data.eval_fraction", "adapter": "method=lora or method=qlora (none: method=full)",
+    "finetuning_type": "method=full, lora, qlora or dora", "quantization_bit": "method=qlora",
+    "use_dora": "method=dora", "peft_use_dora": "method=dora", "lora_modules_to_save": "method.modules_to_save",
+    "additional_target": "method.modules_to_save", "special_tokens": "data.add_special_tokens (a named template's markers)",
+    "tokens": "data.add_special_tokens (a named template's markers)", "wandb_project": "train.report_to=[wandb] (project: WANDB_PROJECT)",
+    "disable_gradient_checkpointing": "train.gradient_checkpointing", "assistant_only_loss": "data.train_on_prompt (false: the default)",
+    "completion_only_loss": "data.train_on_prompt (false: the default)", "fsdp_config": "parallel=fsdp",
+    "chat_template_path": "data.chat_template", "dataset_text_field": "data.format=text (records with a 'text' field)",
 }
 
 
