@@ -57,6 +57,7 @@ def test_paths_in_a_config_file_resolve_against_the_file(tmp_path, monkeypatch, 
         "model:\n  name_or_path: base\n  config_file: llama-2-7b.json\n"
         "data:\n  eval_path: ../data/held.jsonl\n  chat_template: turns.jinja\n  cache_dir: cache\n"
         "  mixture:\n    - {path: ../data/train.jsonl, weight: 2}\n    - {path: org/name, format: sharegpt}\n"
+        "  eval_sets:\n    held: ../data/held.jsonl\n    chats: {path: ../data/train.jsonl, format: alpaca}\n"
         "output_dir: runs/x\n"
     )
     monkeypatch.chdir(tmp_path)  # elsewhere: the file's directory decides, not this one
@@ -67,6 +68,8 @@ def test_paths_in_a_config_file_resolve_against_the_file(tmp_path, monkeypatch, 
     assert cfg.data.mixture[1].path == "org/name"  # a hub id
     assert cfg.data.eval_path == str(project / "data" / "held.jsonl")  # missing, yet named where the file means it
     assert cfg.data.chat_template == str(project / "configs" / "turns.jinja")
+    assert cfg.data.eval_sets["held"] == str(project / "data" / "held.jsonl")
+    assert cfg.data.eval_sets["chats"]["path"] == str(project / "data" / "train.jsonl")
     assert (cfg.output_dir, cfg.data.cache_dir) == ("runs/x", "cache")  # what a run writes: the current directory
     # The same keys on the command line stay as typed (relative to the current directory).
     assert compose_config(["precision=fp32", "data.eval_path=held.jsonl"], config_file=str(mine)).data.eval_path == "held.jsonl"

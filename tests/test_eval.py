@@ -254,13 +254,15 @@ def test_eval_sets_config_shapes_and_mistakes(tmp_path):
     config = tmp_path / "my.yaml"
     config.write_text("defaults:\n  - override /model: tiny_llama\n  - override /data: alpaca_sample\ndata:\n  eval_sets:\n    orders: a.jsonl\n"
                       "    chat:\n      path: b.jsonl\n      format: sharegpt\n")
+    # The file's paths are relative to the file; the command line's stay as typed.
     assert compose_config(["precision=fp32", "data.eval_sets.x=c.jsonl"], str(config)).data.eval_sets == {
-        "orders": "a.jsonl", "chat": {"path": "b.jsonl", "format": "sharegpt"}, "x": "c.jsonl"}
+        "orders": str(tmp_path / "a.jsonl"), "chat": {"path": str(tmp_path / "b.jsonl"), "format": "sharegpt"}, "x": "c.jsonl"}
     from ftctl.evaluation.evaluate import request_from_overrides
 
     req = request_from_overrides(["adapter=runs/x", "metric=rouge_l"], str(config))  # ftctl eval --config FILE
     assert req.model is None and req.data_path is None and req.metric == "rouge_l"
-    assert {name: (s.path, s.format) for name, s in req.eval_sets.items()} == {"orders": ("a.jsonl", None), "chat": ("b.jsonl", "sharegpt")}
+    assert {name: (s.path, s.format) for name, s in req.eval_sets.items()} == {
+        "orders": (str(tmp_path / "a.jsonl"), None), "chat": (str(tmp_path / "b.jsonl"), "sharegpt")}
     for override, message in [
         ("data.eval_sets={chat: {path: b.jsonl, fromat: sharegpt}}", r"data.eval_sets.chat.fromat: not a field of an eval set. Did you mean 'format'"),
         ("data.eval_sets={chat: {format: sharegpt}}", r"data.eval_sets.chat.path has no value"),

@@ -58,12 +58,17 @@ def test_auto_is_the_default_and_detects_each_source_with_its_reason(tmp_path, t
     assert [(part["format"], part["format_detected"]) for part in combined.stats["mixture"]] == [
         ("alpaca", "its first record has 'instruction', 'output'"), ("sharegpt", "its first record has 'conversations'")]
 
+    from ftctl.data.dataset import build_eval_sets
+    from ftctl.training.evals import RunEvals
     from ftctl.training.runner import _log_data
 
+    named = build_eval_sets(DataConfig(eval_sets={"chats": str(messages)}, cache_dir=str(tmp_path / "cache")), tokenizer)
+    assert named["chats"].stats["format"] == "openai"  # a named eval set: detected on its own too
     with caplog.at_level(logging.INFO, logger="ftctl"):
-        _log_data(SimpleNamespace(is_main=True), train, evaluation)
+        _log_data(SimpleNamespace(is_main=True), train, evaluation, RunEvals(evaluation, named, cfg, 0))
     assert f"data format: data.path={chats}: sharegpt (data.format=auto: its first record has 'conversations')" in caplog.text
     assert f"data format: data.eval_path={alpaca}: alpaca (data.format=auto" in caplog.text
+    assert f"data format: data.eval_sets.chats.path={messages}: openai (data.format=auto" in caplog.text
 
 
 def test_a_record_of_no_known_format_names_its_fields(tmp_path, tokenizer):

@@ -348,7 +348,8 @@ def request_from_overrides(overrides: List[str], config_file: Optional[str] = No
     if "recipe" in values or config_file:
         from ftctl.config.compose import compose_config
 
-        cfg = compose_config([f"recipe={values['recipe']}"] if "recipe" in values else [], config_file)
+        # Eval reads held-out data (data.eval_path, data.eval_sets), not necessarily training data.
+        cfg = compose_config([f"recipe={values['recipe']}"] if "recipe" in values else [], config_file, needs_data=False)
     run = trained_run_config(values.get("adapter"), values.get("model"))
     defaults: Dict[str, object] = {}
     source_cfg = cfg or run  # a run evaluates on its own held-out data unless told otherwise

@@ -266,6 +266,6 @@ def _log_data(backend, train_data, eval_data, evals: RunEvals) -> None:
 
     if s.get("mixture"):
         log.info("data mixture, each epoch's share: %s", mixture_summary(s))
-    for data in (train_data, eval_data):
-        if data is not None and data.stats.get("format"):
+    for data in [train_data, *(data for _, data in evals.sets)]:  # eval_data is evals' first set
+        if data.stats.get("format"):
             log.info("data format: %s", format_summary(data.stats))
