@@ -17,8 +17,13 @@ def test_every_recipe_composes_and_validates(recipe, tmp_path, capsys):
     from ftctl.cli import main
     from ftctl.estimate import estimate_for
 
+    from ftctl.paths import recipes_dir
+
     cfg = compose_config([f"recipe={recipe}", "precision=bf16"])  # a plan for a GPU, whatever this machine is
     assert cfg.model.name_or_path
+    # The random tiny model trains only under a recipe that names it (recipes/config.yaml names no model).
+    names_tiny = "override /model: tiny_llama" in (recipes_dir() / "recipe" / f"{recipe}.yaml").read_text()
+    assert (cfg.model.name_or_path == "tiny-llama") == names_tiny
     assert cfg.train.global_batch_size % cfg.train.micro_batch_size == 0
     estimate = estimate_for(cfg)
     assert estimate.parameters > estimate.trainable_parameters > 0 or cfg.method.name == "full"
@@ -53,8 +58,8 @@ def test_every_group_option_composes(group):
 
 
 def test_no_model_and_no_data_unless_named(capsys):
-    """ftctl chooses neither for a run: without them it refuses in one line; the tiny random model trains only
-    when a recipe names it."""
+    """ftctl chooses neither for a run: without them it refuses in one line (and test_every_recipe_composes_and_validates
+    checks that the tiny random model trains only under a recipe that names it)."""
     from ftctl.cli import main
     from ftctl.models.aliases import aliases
 
@@ -65,11 +70,6 @@ def test_no_model_and_no_data_unless_named(capsys):
     assert main(["train", "model.name_or_path=smollm2-135m-instruct", "--cfg"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("ftctl: error: data.path has no value") and err.count("\n") == 1
-    from ftctl.paths import recipes_dir
-
-    for recipe in group_options("recipe"):
-        names_tiny = "override /model: tiny_llama" in (recipes_dir() / "recipe" / f"{recipe}.yaml").read_text()
-        assert (compose_config([f"recipe={recipe}"]).model.name_or_path == "tiny-llama") == names_tiny, recipe
 
 
 def test_recipe_list_has_command_and_description():
