@@ -37,10 +37,12 @@ def train_cfg(**overrides):
 
 
 def reference_cosine_restarts(step, total, lr, warmup, cycles, floor_ratio):
-    """Warmup, then `cycles` cosines over the remaining steps, each starting again at lr (in exact fractions)."""
+    """Warmup, then `cycles` cosines over the remaining steps, each starting again at lr and reaching the floor at
+    its last step (in exact fractions; the cycles here are whole)."""
     if step < warmup:
         return lr * (step + 1) / warmup
-    within_cycle = Fraction(step - warmup, total - warmup) * cycles % 1
+    length = Fraction(total - warmup, cycles)  # steps per cycle
+    within_cycle = (step - warmup) % length / (length - 1)
     return lr * floor_ratio + lr * (1 - floor_ratio) * (1 + math.cos(math.pi * float(within_cycle))) / 2
 
 
@@ -68,8 +70,8 @@ def test_cosine_with_restarts_follows_its_formula_and_restarts_at_lr():
     got = [learning_rate(s, t, 32) for s in range(32)]
     assert got == pytest.approx([reference_cosine_restarts(s, 32, 1e-3, 2, 3, 0.1) for s in range(32)], rel=1e-12)
     assert [s for s in range(2, 32) if got[s] == pytest.approx(1e-3, rel=1e-12)] == [2, 12, 22]  # each cycle's start
-    # Every cycle's last step is its lowest: 9/10 of the way down a cosine from lr to the floor 1e-4.
-    assert got[11] == got[21] == got[31] == min(got[2:]) == pytest.approx(1e-4 + 9e-4 * (1 + math.cos(0.9 * math.pi)) / 2)
+    # Every cycle's last step is its lowest: the floor 1e-4, as a plain cosine's last step.
+    assert got[11] == got[21] == got[31] == min(got[2:]) == pytest.approx(1e-4)
     # One cycle is the plain cosine.
     one, plain = train_cfg(lr_scheduler="cosine_restarts", lr_cycles=1), train_cfg(lr_scheduler="cosine")
     assert [learning_rate(s, one, 20) for s in range(20)] == [learning_rate(s, plain, 20) for s in range(20)]

@@ -59,9 +59,9 @@ def learning_rate(step: int, t: TrainConfig, total: int) -> float:
     if t.lr_scheduler == "linear":
         shape = 1.0 - progress
     elif t.lr_scheduler == "cosine_restarts":
-        # Each of lr_cycles cycles is a cosine from lr towards the floor, then a jump back to lr; in
-        # integers, so a cycle's first step is exactly at lr.
-        shape = _cosine((step - warmup) * t.lr_cycles % span / span)
+        # Each of lr_cycles cycles is a cosine from lr down to the floor at its last step (as cosine's one
+        # cycle), then a jump back to lr; in integers, so a cycle's first step is exactly at lr.
+        shape = _cosine(min(1.0, (step - warmup) * t.lr_cycles % span / max(1, span - t.lr_cycles)))
     else:
         shape = _cosine(progress)
     return floor + (t.lr - floor) * shape
