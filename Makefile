@@ -8,6 +8,7 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 TORCH_PIP_ARGS ?=
 STAMP := $(VENV)/.ftctl-installed
+LLAMACPP_STAMP := $(VENV)/.ftctl-llamacpp-installed
 # FTCTL_HOME is deliberately not set here: `make demo` and `ftctl` in the activated venv then share
 # one cache ($FTCTL_HOME if you set it, else ~/.cache/ftctl), so the demo's converted model is reused.
 
@@ -22,12 +23,18 @@ $(STAMP): pyproject.toml
 
 setup: $(STAMP)
 
+# llama.cpp's binding compiles llama.cpp (about 6 minutes on 2 cores): only the tests need it, so only
+# `make test` installs it (the `llamacpp` extra), with a compile job per core.
+$(LLAMACPP_STAMP): $(STAMP)
+	CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) $(PY) -m pip install -q -e ".[llamacpp]"
+	touch $(LLAMACPP_STAMP)
+
 demo: setup
 	$(PY) scripts/demo.py
 
 # One pytest worker per core; a test file stays on one worker (its module fixtures are built once).
 PYTEST_WORKERS ?= auto
-test: setup
+test: setup $(LLAMACPP_STAMP)
 	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile tests
 
 # precision=auto's tests with the CPU bf16 probe forced each way (.ci/run runs this after `make test`).

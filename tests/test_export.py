@@ -133,8 +133,38 @@ def test_gguf_tokenizer_gives_the_source_ids(exported, distinctive_model_dir):
         source.apply_chat_template(conversation, tokenize=True, return_dict=False)
     assert (loaded.eos_token, loaded.pad_token, loaded.bos_token) == ("<|im_end|>", "<pad>", None)
     fields = gguf_fields(path)
-    assert fields["tokenizer.ggml.model"] == "gpt2" and fields["tokenizer.ggml.pre"] == "gpt2"
+    assert fields["tokenizer.ggml.model"] == "gpt2" and fields["tokenizer.ggml.pre"] == "default", "a tokenizer llama.cpp does not know"
     assert fields["tokenizer.ggml.add_bos_token"] is False
+
+
+def test_gguf_pre_tokenizer_is_named_by_the_tokenizers_ids_for_llama_cpps_check_text(tiny_model_dir, tmp_path, monkeypatch, caplog):
+    """As llama.cpp's converter does: the hash of the ids the tokenizer gives the check text picks the name;
+    a tokenizer the table does not know gets `default` and one warning line."""
+    import hashlib
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from ftctl.export import gguf_vocab
+    from ftctl.export.gguf_writer import write_gguf
+
+    table = gguf_vocab.pre_tokenizer_table()
+    assert len(table["names"]) > 80 and table["names"]["855059429035d75a914d1eda9f10a876752e281a054a7a3d421ef0533e5b6249"] == "smollm"
+    model, tokenizer = AutoModelForCausalLM.from_pretrained(tiny_model_dir), AutoTokenizer.from_pretrained(tiny_model_dir)
+    with caplog.at_level("INFO", logger="ftctl"):
+        path = write_gguf(model, tokenizer, tmp_path / "unknown.gguf", "f32")
+    assert gguf_fields(path)["tokenizer.ggml.pre"] == "default"
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    digest = hashlib.sha256(str(tokenizer.encode(table["check_text"])).encode()).hexdigest()
+    assert len(warnings) == 1 and "\n" not in warnings[0], warnings
+    assert f"check hash {digest[:12]}" in warnings[0] and "`default` pre-tokenizer" in warnings[0] and "other tokens" in warnings[0]
+
+    known = {**table, "names": {**table["names"], digest: "llama-bpe"}}
+    monkeypatch.setattr(gguf_vocab, "pre_tokenizer_table", lambda: known)
+    caplog.clear()
+    with caplog.at_level("INFO", logger="ftctl"):
+        path = write_gguf(model, tokenizer, tmp_path / "known.gguf", "f32")
+    assert gguf_fields(path)["tokenizer.ggml.pre"] == "llama-bpe"
+    assert not any("does not know this tokenizer" in r.getMessage() for r in caplog.records)
 
 
 def test_gguf_tensor_names_are_llama_cpps(tiny_model_dir):
@@ -274,7 +304,7 @@ def test_unsupported_architectures_and_features_are_refused(tmp_path, capsys):
     [
         (["format=gguf", "output=x.gguf"], "export needs model=..."),
         (["model=m", "format=onnx", "output=x"], "format=onnx is not one of hf, gguf"),
-        (["model=m", "format=gguf", "output=x.gguf", "gguf.quant=q4_0"], "gguf.quant=q4_0 is not one of f32, f16, bf16, q8_0"),
+        (["model=m", "format=gguf", "output=x.gguf", "gguf.quant=q4_0"], "gguf.quant=q4_0 is not one of f32, f16, bf16, q8_0, q4_k_m, q5_k_m, q6_k"),
         (["model=m", "format=gguf", "output=x.gguf", "quant=f32", "gguf.quant=f16"], "say different things"),
         (["model=m", "format=gguf", "output=x.gguf", "dtype=float16"], "dtype does not apply to format=gguf"),
         (["model=m", "format=hf", "output=x", "shard_size=lots"], "shard_size=lots: write a size such as 2GB"),
@@ -326,28 +356,32 @@ def test_llama3_rope_factors_match_transformers():
     assert factors.min() == 1.0 and factors.max() == 8.0
 
 
-@pytest.mark.parametrize(
-    "pre_tokenizer, name",
-    [
-        ({"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}, "gpt2"),
-        ({"type": "Sequence", "pretokenizers": [{"type": "Digits", "individual_digits": True},
-                                                {"type": "ByteLevel", "add_prefix_space": False, "use_regex": True}]}, "smollm"),
-        ("llama3", "llama-bpe"),
-        ({"type": "Whitespace"}, None),
-        ({"type": "ByteLevel", "add_prefix_space": True, "use_regex": True}, None),
-    ],
-)
-def test_pre_tokenizer_names(pre_tokenizer, name):
-    from ftctl.export.gguf_vocab import byte_level_pre_tokenizer
+def test_bpe_without_byte_level_or_byte_fallback_is_refused(tiny_model_dir):
+    """llama.cpp's BPE reads tokens in GPT-2's byte alphabet; a plain character BPE has no GGUF spelling."""
+    from tokenizers import pre_tokenizers
+    from transformers import AutoTokenizer
 
-    if pre_tokenizer == "llama3":
-        from transformers.integrations.gguf.gguf_tokenizer_mapping import GGUF_PRE_TOKENIZER_SPLITS
+    from ftctl.export.gguf_vocab import vocab_for_gguf
 
-        pre_tokenizer = {"type": "Sequence", "pretokenizers": [
-            {"type": "Split", "pattern": {"Regex": GGUF_PRE_TOKENIZER_SPLITS["llama3"]}, "behavior": "Isolated", "invert": False},
-            {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False}]}
-    if name is None:
-        with pytest.raises(FtctlError, match="pre-tokenizer is not one ftctl can name"):
-            byte_level_pre_tokenizer(pre_tokenizer)
-    else:
-        assert byte_level_pre_tokenizer(pre_tokenizer) == name
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    assert vocab_for_gguf(tokenizer, len(tokenizer)).model == "gpt2"
+    tokenizer.backend_tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    with pytest.raises(FtctlError, match="BPE without a byte-level pre-tokenizer .*Export format=hf"):
+        vocab_for_gguf(tokenizer, len(tokenizer))
+
+
+@pytest.mark.parametrize("quant", ["q4_k_m", "q5_k_m", "q6_k"])
+def test_k_quants_without_llama_cpp_are_refused_in_one_line_before_loading(quant, tiny_model_dir, tmp_path, monkeypatch, capsys):
+    from ftctl.cli import main
+    from ftctl.export import llamacpp
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("the refusal should come before the model loads")
+
+    monkeypatch.setattr(llamacpp, "available", lambda: False)
+    monkeypatch.setattr("ftctl.evaluation.evaluate.load_model", no_loading)
+    output = tmp_path / "m.gguf"
+    assert main(["export", f"model={tiny_model_dir}", "format=gguf", f"gguf.quant={quant}", f"output={output}"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"ftctl: error: gguf.quant={quant} is written by llama.cpp's own quantizer") and err.count("\n") == 1
+    assert "pip install 'ftctl[llamacpp]'" in err and not output.exists()

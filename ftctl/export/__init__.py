@@ -28,7 +28,7 @@ EXPORT_OPTIONS = {
     "base": "adapters: the base model to merge into (default: the one named in adapter_config.json)",
     "dtype": "hf: float32 (default), bfloat16 or float16",
     "shard_size": "hf: largest safetensors file, e.g. 2GB or 500MB (default: one file up to 50GB)",
-    "gguf.quant": "gguf: f32, f16 (default), bf16 or q8_0 (norms stay f32)",
+    "gguf.quant": "gguf: f32, f16 (default), bf16, q8_0 (norms stay f32), or llama.cpp's k-quants q4_k_m, q5_k_m, q6_k (need llama-cpp-python)",
     "quant": "same as gguf.quant",
     "name": "gguf: the model name stored in the file (default: the output file's name)",
     "overwrite": "true to replace an existing output",
@@ -50,7 +50,7 @@ class ExportRequest:
 
 def request_from_options(options: Dict[str, str]) -> ExportRequest:
     """An ExportRequest from parsed key=value options, every value checked before anything loads."""
-    from ftctl.export.gguf_writer import QUANT_TYPES
+    from ftctl.export.gguf_writer import quant_refusal
     from ftctl.export.hf import HF_DTYPES, parse_size
 
     missing = [key for key in ("model", "format", "output") if key not in options]
@@ -64,8 +64,8 @@ def request_from_options(options: Dict[str, str]) -> ExportRequest:
     if "quant" in options and "gguf.quant" in options and options["quant"] != options["gguf.quant"]:
         raise FtctlError("quant= and gguf.quant= say different things; give one")
     quant = options.get("gguf.quant", options.get("quant", "f16")).lower()
-    if quant not in QUANT_TYPES:
-        raise FtctlError(f"gguf.quant={quant} is not one of {', '.join(QUANT_TYPES)}")
+    if fmt == "gguf" and quant_refusal(quant):
+        raise FtctlError(quant_refusal(quant))
     dtype = options.get("dtype", "float32")
     if dtype not in HF_DTYPES:
         raise FtctlError(f"dtype={dtype} is not one of {', '.join(HF_DTYPES)}")

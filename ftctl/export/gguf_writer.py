@@ -5,10 +5,15 @@ What goes in follows llama.cpp's convert_hf_to_gguf.py for the model's family
 Phi-3): the ``{arch}.*`` hyperparameters, tokenizer metadata (ftctl.export.gguf_vocab), and the
 tensors under llama.cpp names (ftctl.export.tensor_names) in the family's conventions. Norm weights,
 expert routers and other 1-D tensors stay F32 whatever the requested type, as llama.cpp keeps them;
-a matrix whose rows do not split into q8_0 blocks of 32 falls back to F16.
+a matrix whose rows do not split into q8_0 blocks of 32 falls back to F16. The k-quants (q4_k_m,
+q5_k_m, q6_k) are llama.cpp's own: ftctl writes f16 and llama.cpp's quantizer (ftctl.export.llamacpp)
+makes the file from it, choosing per tensor as ``llama-quantize`` does.
 
 Tensors are converted one at a time while the file is written, so memory holds the model plus one
-converted tensor. The file appears under its name only when complete.
+converted tensor. The file appears under its name only when complete. When llama.cpp's binding is
+installed, llama.cpp loads the finished file's vocabulary first: a file it cannot load is not written
+(the error gives llama.cpp's reason), and check texts it tokenizes otherwise than transformers are a
+warning.
 """
 
 from __future__ import annotations
@@ -25,17 +30,56 @@ from ftctl.errors import FtctlError
 from ftctl.export.gguf_families import (
     GGUFFamily, add_hyperparameters, computed_tensors, family_of, gguf_refusal,
 )
-from ftctl.export.gguf_vocab import add_vocab, vocab_for_gguf
+from ftctl.export import llamacpp
+from ftctl.export.gguf_vocab import GGUFVocab, add_vocab, pre_tokenizer_table, vocab_for_gguf
 from ftctl.export.tensor_names import gguf_tensor_name, interleave_rotary_rows, split_tensor_names
 from ftctl.paths import check_output_path, make_parent
 from ftctl.progress import progress_bar
 
 log = logging.getLogger("ftctl")
 
-#: gguf.quant= choices: (llama.cpp file type, tensor type of the matrices).
+#: gguf.quant= choices ftctl writes itself: (llama.cpp file type, tensor type of the matrices).
 QUANT_TYPES = {"f32": ("ALL_F32", "F32"), "f16": ("MOSTLY_F16", "F16"), "bf16": ("MOSTLY_BF16", "BF16"), "q8_0": ("MOSTLY_Q8_0", "Q8_0")}
+#: Every gguf.quant= choice: those and the k-quants llama.cpp's quantizer writes from ftctl's f16 file.
+QUANT_CHOICES = (*QUANT_TYPES, *llamacpp.K_QUANTS)
+K_QUANT_SOURCE = "f16"
 DEFAULT_QUANT = "f16"
+#: llama.cpp sets Phi-3's token attributes for any model whose name holds one of these, looking up these tokens.
+PHI3_NAME_MARKERS = ("phi-3", "phi3")
+PHI3_TOKENS = ("</s>", "<unk>", "<s>", "<|endoftext|>")
+#: Texts llama.cpp must tokenize as transformers does (beside llama.cpp's own check text): digits,
+#: whitespace runs, punctuation, accents and scripts, emoji, chat markup with special tokens.
+TOKENIZER_CHECK_TEXTS = (
+    "Hello, world! Could you send 12 orange kettles to Perth?",
+    "digits 0 12 345 6789 3.14159 -42 1e-5 2024-11-30",
+    "whitespace   runs\t\ttabs\n\nnewlines \n  \n   ",
+    "punctuation: ([{<>}]) !?;:'\"`~@#$%^&*-_=+|\\/ ... --- ===",
+    "naïve café — Ωmega, 日本語, Русский, emoji 🚀🦙",
+    "<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\n",
+    "I've been 'told he's there, 'RE you sure? We'Ve a'lL",
+)
 ROUTER_SUFFIX = "ffn_gate_inp.weight"
+
+
+def quant_refusal(quant: str) -> Optional[str]:
+    """Why ``quant`` cannot be written here (not a choice, or a k-quant without llama.cpp's binding), or None."""
+    if quant not in QUANT_CHOICES:
+        return f"gguf.quant={quant} is not one of {', '.join(QUANT_CHOICES)}"
+    if quant in llamacpp.K_QUANTS and not llamacpp.available():
+        return f"gguf.quant={quant} is written by llama.cpp's own quantizer, which needs its Python binding: {llamacpp.INSTALL_HINT}"
+    return None
+
+
+def name_refusal(name: str, vocab: GGUFVocab) -> Optional[str]:
+    """llama.cpp gives a model whose general.name says Phi-3 Phi-3's token rules, which fail on a vocabulary without its tokens."""
+    known = set(vocab.tokens)
+    missing = [token for token in PHI3_TOKENS if token not in known]
+    if any(marker in name.lower() for marker in PHI3_NAME_MARKERS) and missing:
+        return (
+            f"name={name} (the output file's name unless name= is given): llama.cpp takes a model named like Phi-3 for Phi-3 "
+            f"and cannot load it without the tokens {', '.join(missing)}, which this tokenizer lacks; pass another name="
+        )
+    return None
 
 
 def add_file_type(writer, quant: str) -> None:
@@ -130,10 +174,9 @@ def _tensor_data(entry: _PlannedTensor, state, config) -> np.ndarray:
 
 def write_gguf(model, tokenizer, output, quant: str = DEFAULT_QUANT, *, name: Optional[str] = None, overwrite: bool = False) -> Path:
     """Write ``model`` (a transformers model of a family in gguf_families) with ``tokenizer`` to the GGUF file ``output``; return its path."""
-    import gguf
-
-    if quant not in QUANT_TYPES:
-        raise FtctlError(f"gguf.quant={quant} is not one of {', '.join(QUANT_TYPES)}")
+    refusal = quant_refusal(quant)
+    if refusal:
+        raise FtctlError(refusal)
     output = Path(output).expanduser().absolute()
     check_gguf_output(output, overwrite)
     config = model.config
@@ -141,13 +184,42 @@ def write_gguf(model, tokenizer, output, quant: str = DEFAULT_QUANT, *, name: Op
     if refusal:
         raise FtctlError(refusal)
     vocab = vocab_for_gguf(tokenizer, config.vocab_size)
+    name = name or output.stem
+    refusal = name_refusal(name, vocab)
+    if refusal:
+        raise FtctlError(refusal)
     state = model.state_dict()
+
+    make_parent(output, "output")
+    staging = output.with_name(f".{output.name}.partial-{os.getpid()}")
+    try:
+        if quant in llamacpp.K_QUANTS:
+            source = output.with_name(f".{output.name}.{K_QUANT_SOURCE}-{os.getpid()}")
+            try:
+                _write_file(source, state, config, vocab, K_QUANT_SOURCE, name)
+                log.info("llama.cpp quantizes %s to %s", output.name, quant)
+                llamacpp.quantize(source, staging, quant)
+            finally:
+                source.unlink(missing_ok=True)
+        else:
+            _write_file(staging, state, config, vocab, quant, name)
+        _report_tokenizer(staging, tokenizer, vocab)
+        os.replace(staging, output)
+    except BaseException:
+        staging.unlink(missing_ok=True)
+        raise
+    log.info("wrote %s (%s, %.1f MB)", output, quant, output.stat().st_size / 1e6)
+    return output
+
+
+def _write_file(path: Path, state, config, vocab: GGUFVocab, quant: str, name: str) -> None:
+    import gguf
+
     family = family_of(config)
     plan = plan_tensors(state, config, quant, family)
-
     writer = gguf.GGUFWriter(None, family.arch)
     writer.add_type(gguf.GGUFType.MODEL)
-    writer.add_name(name or output.stem)
+    writer.add_name(name)
     add_hyperparameters(writer, config, family)
     add_file_type(writer, quant)
     add_vocab(writer, vocab)
@@ -159,25 +231,37 @@ def write_gguf(model, tokenizer, output, quant: str = DEFAULT_QUANT, *, name: Op
         else:
             byte_shape = gguf.quant_shape_to_byte_shape(entry.shape, entry.qtype)
             writer.add_tensor_info(entry.gguf_name, byte_shape, np.dtype(np.uint8), _byte_count(entry.shape, entry.qtype), raw_dtype=entry.qtype)
-
-    make_parent(output, "output")
-    staging = output.with_name(f".{output.name}.partial-{os.getpid()}")
     try:
-        writer.write_header_to_file(path=staging)
+        writer.write_header_to_file(path=path)
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()
-        with progress_bar(len(plan), f"write {output.name}", unit="tensor") as bar:
+        with progress_bar(len(plan), f"write {path.name.lstrip('.')}", unit="tensor") as bar:
             for entry in plan:
                 writer.write_tensor_data(_tensor_data(entry, state, config))
                 bar.update(1)
+    finally:
         writer.close()
-        os.replace(staging, output)
-    except BaseException:
-        writer.close()
-        staging.unlink(missing_ok=True)
-        raise
-    log.info("wrote %s (%s, %d tensors, %.1f MB)", output, quant, len(plan), output.stat().st_size / 1e6)
-    return output
+
+
+def _report_tokenizer(path: Path, tokenizer, vocab: GGUFVocab) -> None:
+    """Say how far llama.cpp will tokenize like transformers: a warning for a tokenizer llama.cpp does not know
+    or for check texts it splits differently (asked of llama.cpp itself when its binding is installed)."""
+    texts = [pre_tokenizer_table()["check_text"], *TOKENIZER_CHECK_TEXTS]
+    differing = llamacpp.tokenization_differences(path, tokenizer, texts) if llamacpp.available() else None
+    checked = "" if differing is None else (
+        f"; llama.cpp tokenized {len(differing)} of {len(texts)} check texts differently, e.g. {differing[0][:40]!r}" if differing
+        else f"; llama.cpp tokenized all {len(texts)} check texts the same"
+    )
+    if vocab.unknown_pre_hash:
+        log.warning(
+            "GGUF export: llama.cpp's converter table does not know this tokenizer (check hash %s...), so the file names "
+            "llama.cpp's `%s` pre-tokenizer and llama.cpp may split text into other tokens than transformers does%s",
+            vocab.unknown_pre_hash[:12], vocab.pre, checked,
+        )
+    elif differing:
+        log.warning("GGUF export: pre-tokenizer `%s`%s", vocab.pre, checked)
+    else:
+        log.info("tokenizer: llama.cpp pre-tokenizer `%s`%s", vocab.pre, checked)
 
 
 def check_gguf_output(output: Path, overwrite: bool) -> None:

@@ -117,12 +117,14 @@ def build_tiny_model(
     initializer_range: float = 0.1,
     chat_template: bool = True,
     pad_token: bool = True,
+    tokenizer_from: str | Path | None = None,
     **overrides,
 ) -> Path:
     """Write a random model of ``family`` (a key of :data:`TINY_FAMILIES`) and the ChatML tokenizer into ``out_dir``.
 
-    ``overrides`` set further config keys (e.g. ``tie_word_embeddings``). Deterministic: the same
-    arguments give the same weights.
+    ``tokenizer_from`` (a model dir) gives the model that dir's tokenizer instead, e.g. a real family's;
+    the vocabulary then sets the embedding size. ``overrides`` set further config keys (e.g.
+    ``tie_word_embeddings``). Deterministic: the same arguments give the same weights.
     """
     import torch
     import transformers
@@ -132,7 +134,11 @@ def build_tiny_model(
     config_class_name, family_keys = TINY_FAMILIES[family]
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_tokenizer(out, vocab_size=vocab_size, chat_template=chat_template, pad_token=pad_token)
+    if tokenizer_from is not None:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(tokenizer_from)
+        tokenizer.save_pretrained(out)
+    else:
+        tokenizer = build_tokenizer(out, vocab_size=vocab_size, chat_template=chat_template, pad_token=pad_token)
     if family == "gpt2":
         shape = {"n_embd": hidden_size, "n_layer": num_layers, "n_head": num_heads, "n_inner": intermediate_size,
                  "n_positions": max_position_embeddings}
@@ -145,14 +151,14 @@ def build_tiny_model(
         initializer_range=initializer_range,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=None,
+        bos_token_id=tokenizer.bos_token_id,
         **{**shape, **family_keys, **overrides},
     )
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.generation_config.eos_token_id = tokenizer.eos_token_id
-    model.generation_config.bos_token_id = None
+    model.generation_config.bos_token_id = tokenizer.bos_token_id
     model.save_pretrained(out, safe_serialization=True)
     (out / "ftctl_tiny.json").write_text(json.dumps({"seed": seed, "num_layers": num_layers, "family": family}))
     return out
