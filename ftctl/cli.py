@@ -29,6 +29,7 @@ commands:
   chat           talk to a model: ftctl chat model=NAME_OR_DIR_OR_GGUF [adapter=DIR] [prompt="..."]
   generate       answer a file of prompts: ftctl generate model=NAME input=FILE output=FILE.jsonl
   plot           draw a run's loss curve: ftctl plot RUN_DIR [output=FILE.png]
+  push           upload a result with a model card to the Hugging Face Hub: ftctl push RUN_OR_RESULT REPO_ID [private=true]
 """
 
 
@@ -343,6 +344,14 @@ def cmd_plot(args) -> int:
     return 0
 
 
+def cmd_push(args) -> int:
+    from ftctl.push import PUSH_OPTIONS, push
+
+    options = parse_key_values(args.options, PUSH_OPTIONS, "push", "private=true")
+    print(push(args.target, args.repo_id, options))
+    return 0
+
+
 def _key_value_command(sub, name: str, help_text: str, usage: str, keys: dict, func) -> None:
     width = max(len(key) for key in keys) + 2
     keys_help = "\n".join(f"  {key:<{width}} {text}" for key, text in keys.items())
@@ -426,6 +435,20 @@ def build_parser() -> argparse.ArgumentParser:
     plot.add_argument("run_dir", metavar="RUN_DIR", help="a training run's output_dir")
     plot.add_argument("options", nargs="*", help="output=FILE.png")
     plot.set_defaults(func=cmd_plot)
+
+    from ftctl.push import PUSH_OPTIONS
+
+    push_help = "\n".join(f"  {key:<15} {text}" for key, text in PUSH_OPTIONS.items())
+    push = sub.add_parser(
+        "push", help="upload a result with a generated model card to the Hugging Face Hub", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="ftctl push RUN_OR_RESULT REPO_ID [key=value ...]: a run dir (its final/), a final/ or checkpoints/step-N/ dir, "
+        "or a merged/exported result with run=RUN_DIR, uploaded with a README.md model card (base model, method, data, "
+        f"final metrics, loss curve, resolved config). Log in first: hf auth login (or set HF_TOKEN).\n\nkeys:\n{push_help}",
+    )
+    push.add_argument("target", metavar="RUN_OR_RESULT", help="a run dir, its final/ or a checkpoint dir, or a merged/exported result")
+    push.add_argument("repo_id", metavar="REPO_ID", help="the Hub model repo, ORG/NAME or NAME")
+    push.add_argument("options", nargs="*", help="key=value")
+    push.set_defaults(func=cmd_push)
 
     data = sub.add_parser("data", help="inspect training data")
     data_sub = data.add_subparsers(dest="data_command", metavar="subcommand")

