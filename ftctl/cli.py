@@ -11,6 +11,7 @@ from typing import List, Optional
 
 from ftctl.console import done_line, quiet_libraries, setup_logging
 from ftctl.errors import FtctlError, did_you_mean
+from ftctl.options import bool_option
 
 log = logging.getLogger("ftctl")
 
@@ -251,12 +252,6 @@ MERGE_KEYS = {
 }
 
 
-def _parse_bool(key: str, value: str) -> bool:
-    if value.lower() in ("true", "false"):
-        return value.lower() == "true"
-    raise FtctlError(f"{key}={value}: expected true or false")
-
-
 def parse_key_values(items: List[str], keys: dict, command: str, example: str) -> dict:
     """`ftctl COMMAND key=value ...` arguments as a dict; a malformed item or unknown key is one clear error."""
     from ftctl.errors import did_you_mean
@@ -280,7 +275,7 @@ def parse_merge_args(items: List[str]) -> dict:
         raise FtctlError(f"merge needs {' and '.join(k + '=DIR' for k in missing)}: ftctl merge adapter=DIR output=DIR [base=DIR] [dtype=float32]")
     for key in ("overwrite", "dequantize"):
         if key in options:
-            options[key] = _parse_bool(key, options[key])
+            options[key] = bool_option(key, options[key])
     return options
 
 

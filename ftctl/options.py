@@ -1,4 +1,4 @@
-"""Numeric `key=value` command options (eval, chat, generate), checked into one clear message."""
+"""`key=value` command options (eval, chat, generate, merge, push) checked into one clear message."""
 
 from __future__ import annotations
 
@@ -19,3 +19,9 @@ def number_option(options: Dict[str, str], key: str, kind, default, low, high=No
     if value < low or (high is not None and value > high):
         raise error(f"{key}={raw}: must be {f'between {low} and {high}' if high is not None else f'at least {low}'}")
     return value
+
+
+def bool_option(key: str, value: str) -> bool:
+    if value.lower() in ("true", "false"):
+        return value.lower() == "true"
+    raise FtctlError(f"{key}={value}: expected true or false")

@@ -285,21 +285,17 @@ def upload_plan(source: PushSource, repo_id: str) -> Dict[str, object]:
     return plan
 
 
-def _parse_bool(key: str, value: str) -> bool:
-    if value.lower() in ("true", "false"):
-        return value.lower() == "true"
-    raise FtctlError(f"{key}={value}: expected true or false")
-
-
 def push(target: str, repo_id: str, options: Dict[str, str]) -> str:
     """Upload ``target`` to ``repo_id`` (or print the plan with dry_run=true); returns the commit URL or the card."""
     from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    from ftctl.options import bool_option
 
     try:
         validate_repo_id(repo_id)
     except HFValidationError as exc:
         raise FtctlError(f"push: REPO_ID {repo_id} is not a Hub repo id ({str(exc).splitlines()[0]}); write NAME or ORG/NAME") from None
-    private, dry_run = (_parse_bool(key, options.get(key, "false")) for key in ("private", "dry_run"))
+    private, dry_run = (bool_option(key, options.get(key, "false")) for key in ("private", "dry_run"))
     source = resolve_source(target, options.get("run"))
     plan = upload_plan(source, repo_id)
     if dry_run:
