@@ -196,13 +196,13 @@ def write_gguf(model, tokenizer, output, quant: str = DEFAULT_QUANT, *, name: Op
         if quant in llamacpp.K_QUANTS:
             source = output.with_name(f".{output.name}.{K_QUANT_SOURCE}-{os.getpid()}")
             try:
-                _write_file(source, state, config, vocab, K_QUANT_SOURCE, name)
+                _write_file(source, state, config, vocab, K_QUANT_SOURCE, name, shown_as=f"{output.name} ({K_QUANT_SOURCE})")
                 log.info("llama.cpp quantizes %s to %s", output.name, quant)
                 llamacpp.quantize(source, staging, quant)
             finally:
                 source.unlink(missing_ok=True)
         else:
-            _write_file(staging, state, config, vocab, quant, name)
+            _write_file(staging, state, config, vocab, quant, name, shown_as=output.name)
         _report_tokenizer(staging, tokenizer, vocab)
         os.replace(staging, output)
     except BaseException:
@@ -212,7 +212,8 @@ def write_gguf(model, tokenizer, output, quant: str = DEFAULT_QUANT, *, name: Op
     return output
 
 
-def _write_file(path: Path, state, config, vocab: GGUFVocab, quant: str, name: str) -> None:
+def _write_file(path: Path, state, config, vocab: GGUFVocab, quant: str, name: str, shown_as: str) -> None:
+    """Write the GGUF file ``path`` (a staging name); the progress bar shows ``shown_as``, the file the user asked for."""
     import gguf
 
     family = family_of(config)
@@ -235,7 +236,7 @@ def _write_file(path: Path, state, config, vocab: GGUFVocab, quant: str, name: s
         writer.write_header_to_file(path=path)
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()
-        with progress_bar(len(plan), f"write {path.name.lstrip('.')}", unit="tensor") as bar:
+        with progress_bar(len(plan), f"write {shown_as}", unit="tensor") as bar:
             for entry in plan:
                 writer.write_tensor_data(_tensor_data(entry, state, config))
                 bar.update(1)
