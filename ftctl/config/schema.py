@@ -227,7 +227,7 @@ class TrainConfig:
     )
     early_stopping_patience: int = option(
         0, "Stop after this many evals in a row without a better train.best_metric (0 = never stop early); the run "
-        "still saves final/, and a checkpoint when save_every > 0."
+        "still saves final/ and a checkpoint of that step."
     )
     early_stopping_threshold: float = option(
         0.0, "How much lower train.best_metric must be than the best so far to count as better (for keep_best too)."
