@@ -174,9 +174,12 @@ def worker_failure(error_dir: Path, returncode: int) -> FtctlError:
     failures = json.loads(launcher_file.read_text()) if launcher_file.is_file() else []
     reported = {r["rank"] for r in reports}
     dead = sorted((f for f in failures if f["rank"] not in reported), key=lambda f: (f.get("time") or 0, f["rank"]))
+    # Once one rank dies, torch's launcher sends SIGTERM to the others: those are not the cause.
+    causes = [f for f in dead if f["exitcode"] != -signal.SIGTERM] or dead
+    stopped = [f for f in dead if f not in causes]
     errors = [r for r in reports if r["type"] != CRASH]
     crashes = [r for r in reports if r["type"] == CRASH]
-    lines = [f"rank {f['rank']} {_died(f['exitcode'])}" for f in dead]
+    lines = [f"rank {f['rank']} {_died(f['exitcode'])}" for f in causes]
     by_message = {}
     for report in errors:
         by_message.setdefault((report["type"], report["message"]), []).append(str(report["rank"]))
@@ -190,6 +193,8 @@ def worker_failure(error_dir: Path, returncode: int) -> FtctlError:
             print(report.get("traceback", ""), file=sys.stderr, end="")
     after = "stopped after it" if lines else "failed (traceback above)"
     lines += [f"rank {', '.join(ranks)} {after}: {message}" for message, ranks in crashed.items()]
+    if stopped:
+        lines.append(f"rank {', '.join(str(f['rank']) for f in stopped)} stopped after it: the launcher ended it (SIGTERM)")
     if not lines:
         return FtctlError(f"a training worker failed (launcher exit code {returncode}); its output is above")
     error_class = ConfigError if errors and not dead and not crashes and all(r["type"] == "ConfigError" for r in errors) else FtctlError

@@ -417,6 +417,27 @@ def test_kill_9_of_ftctl_stops_its_workers_and_its_lock_passes_on(tiny_model_dir
     finish_run_dir(out)
 
 
+def test_the_rank_that_died_comes_before_the_ranks_it_took_down(tmp_path, monkeypatch, capsys):
+    from ftctl.launch import ERROR_DIR_ENV, report_worker_error, worker_failure
+
+    monkeypatch.setenv(ERROR_DIR_ENV, str(tmp_path))
+    try:
+        raise RuntimeError("[pair.cc:537] Read error: Connection reset by peer. This is typically caused by ...")
+    except RuntimeError as exc:
+        report_worker_error(2, exc)
+    (tmp_path / "launcher.json").write_text(json.dumps([{"rank": 0, "exitcode": -15, "time": 1}, {"rank": 1, "exitcode": -9, "time": 2},
+                                                         {"rank": 2, "exitcode": 1, "time": 2}]))
+    assert str(worker_failure(tmp_path, 1)).splitlines() == [
+        "rank 1 was killed by SIGKILL (signal 9: the out-of-memory killer, or kill -9); the run stopped",
+        "rank 2 stopped after it: RuntimeError: Read error: Connection reset by peer",
+        "rank 0 stopped after it: the launcher ended it (SIGTERM)",
+    ]
+    assert capsys.readouterr().err == ""  # the survivors' tracebacks are not the story
+    (tmp_path / "launcher.json").unlink()  # a rank that failed alone, with a bug: its traceback is shown
+    assert str(worker_failure(tmp_path, 1)) == "rank 2 failed (traceback above): RuntimeError: Read error: Connection reset by peer"
+    assert "Traceback (most recent call last)" in capsys.readouterr().err
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="reads the process tree from Linux's /proc")
 def test_a_killed_worker_is_named_first_and_no_temporary_dir_stays(tiny_model_dir, tmp_path):
@@ -429,7 +450,7 @@ def test_a_killed_worker_is_named_first_and_no_temporary_dir_stays(tiny_model_di
     assert parent.returncode == 1
     lines = err.strip().splitlines()
     assert lines[0] == "ftctl: error: rank 1 was killed by SIGKILL (signal 9: the out-of-memory killer, or kill -9); the run stopped", err
-    assert all(line.startswith("rank 0 stopped after it: ") for line in lines[1:]) and "Traceback" not in err, err
+    assert all(line.startswith("rank 0 stopped after it: ") for line in lines[1:]) and "Traceback" not in err, err  # gloo's error, or SIGTERM
     assert "ERROR stopped: rank 1 was killed by SIGKILL" in (out / "train.log").read_text()
     assert list(scratch.iterdir()) == []  # torch's launcher logs and ftctl's error reports went with the launch
 
