@@ -104,21 +104,13 @@ def launch_workers(cfg: RunConfig, run_dir: Path, config_path: Optional[Path] = 
 
 def remove_stale_scratch() -> None:
     """Scratch dirs of launches whose ftctl was killed (nothing else removes them)."""
+    from ftctl.training.run_lock import process_alive
+
     pattern = re.compile(rf"^{re.escape(SCRATCH_PREFIX)}(\d+)-")
     for path in Path(tempfile.gettempdir()).glob(f"{SCRATCH_PREFIX}*"):
         match = pattern.match(path.name)
-        if match and path.is_dir() and not _alive(int(match.group(1))):
+        if match and path.is_dir() and not process_alive(int(match.group(1))):
             shutil.rmtree(path, ignore_errors=True)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def die_with_parent(parent: Optional[str]) -> None:

@@ -194,8 +194,9 @@ def _delete_run_outputs(run_dir: Path, announce: bool = False) -> List[str]:
         target = run_dir / child
         if not (target.exists() or target.is_symlink()):
             continue
-        shutil.rmtree(target) if target.is_dir() and not target.is_symlink() else target.unlink()
-        removed.append(child + ("/" if child in attempts or child in ("checkpoints", "final", "tensorboard", "wandb", "mlruns") else ""))
+        folder = target.is_dir() and not target.is_symlink()
+        shutil.rmtree(target) if folder else target.unlink()
+        removed.append(child + ("/" if folder else ""))
     if announce:
         left = [name for name in _entries(run_dir)]
         log.warning("overwrite=true: removed %s from %s%s", ", ".join(removed) or "nothing", run_dir,

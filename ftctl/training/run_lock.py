@@ -107,14 +107,14 @@ def _lock(fd: int, run_dir: Path) -> Optional[dict]:
                 f"output_dir {run_dir} is marked in use by {_describe(holder)}, and its file system has no locks to tell "
                 f"whether that run still lives; if it has ended, delete {run_dir / LOCK_FILE} and start again"
             )
-        if _alive(int(holder.get("pid", 0))):
+        if process_alive(int(holder.get("pid", 0))):
             raise RunDirLocked(f"output_dir {run_dir} is in use by another ftctl run: {_describe(holder)}; wait for it "
                                "to finish or stop it, or choose another output_dir")
         return holder
     return None
 
 
-def _alive(pid: int) -> bool:
+def process_alive(pid: int) -> bool:
     if pid <= 0:
         return False
     try:
