@@ -140,8 +140,8 @@ def test_a_read_only_run_dir_is_one_line_and_untouched(small_disk, tiny_model_di
     if done.returncode:
         pytest.skip(f"needs a remount read-only: {done.stderr.strip()}")
     assert main(train_args(tiny_model_dir, disk / "run", "train.max_steps=4", "resume=auto")) == 1
-    assert one_error_line(capsys) == (f"ftctl: error: {disk / 'run'} is on a read-only file system, so the run dir cannot be "
-                                      "written; choose a writable output_dir or remount it read-write")
+    assert one_error_line(capsys) == (f"ftctl: error: output_dir={disk / 'run'}: cannot write in {disk} (it is on a read-only "
+                                      "file system; remount it read-write or choose another)")
     assert checksums(disk) == before
 
 
