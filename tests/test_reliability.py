@@ -242,6 +242,9 @@ def test_directories_that_are_not_runs_are_refused_and_left_alone(make_cfg, tmp_
         with pytest.raises(FtctlError, match=expected):
             prepare_run_dir(make_cfg(f"output_dir={mine}", flag))
     assert checksums(mine) == before and not (mine / MARKER_FILE).exists()
+    (mine / "config.yaml").write_text("seed: 1\n")  # what a run of an ftctl before the marker looks like
+    with pytest.raises(FtctlError, match=rf"\(if an earlier ftctl wrote it, mark it as a run: touch {re.escape(str(mine / MARKER_FILE))}\)"):
+        prepare_run_dir(make_cfg(f"output_dir={mine}", "resume=auto"))
     # The root, the home directory, the current directory and what lies above them: refused before anything else.
     work = tmp_path / "work" / "repo"
     work.mkdir(parents=True)

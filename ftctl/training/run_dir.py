@@ -108,6 +108,8 @@ def _entries(run_dir: Path) -> List[str]:
 def _not_a_run(run_dir: Path, entries: List[str], cfg: RunConfig) -> str:
     shown = ", ".join(entries[:5]) + (f" and {len(entries) - 5} more" if len(entries) > 5 else "")
     why = f"output_dir {run_dir} is not an ftctl run (no {MARKER_FILE} marker) and holds {shown}"
+    if (run_dir / CONFIG_FILE).is_file() and (run_dir / "metrics.jsonl").is_file():  # a run of an ftctl before the marker
+        why += f" (if an earlier ftctl wrote it, mark it as a run: touch {run_dir / MARKER_FILE})"
     if cfg.resume == "auto":
         return f"resume=auto: {why}, so there is nothing to resume; check output_dir, or choose a new or empty one to start a run"
     if cfg.overwrite:
