@@ -78,12 +78,13 @@ def cmd_train(args) -> int:
     if cfg.parallel.node_rank > 0:  # node 0 owns the run dir; this node only starts its own workers
         launch_workers(cfg, Path(cfg.output_dir).expanduser())
         return 0
-    run_dir = prepare_run_dir(cfg)
-    setup_logging(run_dir, args.debug)
-    from ftctl.training.run_dir import end_failed_run
-    from ftctl.training.runner import train
+    run_dir = prepare_run_dir(cfg)  # holds the run dir's lock from here until this process ends
+    from ftctl.training.run_dir import end_failed_run, finish_run_dir
 
     try:
+        setup_logging(run_dir, args.debug)
+        from ftctl.training.runner import train
+
         if world_size(cfg) > 1:
             launch_workers(cfg, run_dir, run_dir / "config.yaml")  # rank 0 prints the result line
             return 0
@@ -91,6 +92,8 @@ def cmd_train(args) -> int:
     except BaseException as exc:  # whatever stopped it, a run that never took a step leaves nothing behind
         end_failed_run(run_dir, exc)
         raise
+    finally:
+        finish_run_dir(run_dir)
     print(done_line(result))
     return 0
 
@@ -501,6 +504,14 @@ def main(argv: Optional[List[str]] = None) -> int:
         # The reader of our output went away (`ftctl config-docs | head`): stop quietly, as other tools do.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit-time flush cannot fail again
         return 0
+    except OSError as exc:  # a fault of the machine (full disk, lost mount, ...) that no writer named on its way up
+        from ftctl.fs_faults import os_error_line
+
+        line = os_error_line(exc)
+        if line is None or args.debug:
+            raise
+        print(f"ftctl: error: {line}", file=sys.stderr)
+        return 1
 
 
 def _stdout_reader_gone() -> bool:

@@ -24,6 +24,32 @@ class _CurrentStdoutHandler(logging.StreamHandler):
         pass
 
 
+class _RunLogHandler(logging.FileHandler):
+    """train.log: when the disk fails under it, it stops writing quietly (logging would print a traceback for
+    every line); the run's own error names the fault."""
+
+    failed = False
+
+    def emit(self, record):
+        if not self.failed:
+            super().emit(record)
+
+    def handleError(self, record):
+        self.failed = True
+
+    def flush(self):
+        try:
+            super().flush()
+        except OSError:
+            self.failed = True
+
+    def close(self):
+        try:
+            super().close()
+        except OSError:
+            self.failed = True
+
+
 def setup_logging(run_dir=None, debug: bool = False) -> None:
     logger = logging.getLogger("ftctl")
     logger.setLevel(logging.DEBUG if debug else logging.INFO)
@@ -35,7 +61,7 @@ def setup_logging(run_dir=None, debug: bool = False) -> None:
         logger.addHandler(handler)
     close_run_log()
     if run_dir is not None:
-        file_handler = logging.FileHandler(run_dir / "train.log")
+        file_handler = _RunLogHandler(run_dir / "train.log")
         file_handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
         file_handler._ftctl_run_log = True
         logger.addHandler(file_handler)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import pickle
 import re
 import shutil
 from pathlib import Path
@@ -27,7 +28,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from ftctl.errors import FtctlError
+from ftctl.errors import FtctlError, refused_pickle
 from ftctl.methods.adapters import read_adapter_info
 from ftctl.paths import check_output_path, make_parent
 from ftctl.progress import stages
@@ -79,7 +80,10 @@ def adapter_tensor_shapes(adapter_dir: Path) -> Dict[str, Tuple[int, ...]]:
         with safe_open(str(safetensors_file), framework="pt") as f:
             shapes = {key: tuple(f.get_slice(key).get_shape()) for key in f.keys()}
     elif (adapter_dir / "adapter_model.bin").is_file():
-        state = torch.load(adapter_dir / "adapter_model.bin", map_location="cpu", weights_only=True)
+        try:
+            state = torch.load(adapter_dir / "adapter_model.bin", map_location="cpu", weights_only=True)
+        except pickle.UnpicklingError as exc:
+            raise refused_pickle(adapter_dir / "adapter_model.bin", exc) from None
         shapes = {key: tuple(value.shape) for key, value in state.items()}
     else:
         raise FtctlError(f"adapter={adapter_dir} has no adapter_model.safetensors (or .bin)")

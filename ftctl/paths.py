@@ -47,7 +47,9 @@ def check_output_path(path: Path, key: str, *, directory: bool = False) -> None:
     if not ancestor.is_dir():
         raise FtctlError(f"{key}={path}: {ancestor} is a file, so no folder can be made under it")
     if not os.access(ancestor, os.W_OK | os.X_OK):
-        raise FtctlError(f"{key}={path}: cannot write in {ancestor} (permission denied)")
+        read_only = bool(os.statvfs(ancestor).f_flag & os.ST_RDONLY)
+        why = "it is on a read-only file system; remount it read-write or choose another" if read_only else "permission denied"
+        raise FtctlError(f"{key}={path}: cannot write in {ancestor} ({why})")
 
 
 def make_parent(path: Path, key: str) -> Path:

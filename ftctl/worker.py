@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import tempfile
 from pathlib import Path
@@ -35,8 +36,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--run-dir", help="run dir (default: the config file's dir)")
     parser.add_argument("--debug", action="store_true")
     args = parser.parse_args(argv)
-    from ftctl.launch import report_worker_error
+    from ftctl.launch import PARENT_ENV, die_with_parent, report_worker_error
     from ftctl.parallel.place import process_place
+
+    die_with_parent(os.environ.get(PARENT_ENV))  # the launcher's death (its ftctl killed) ends this worker too
 
     rank = process_place().rank
     config_path = Path(args.config)
@@ -51,6 +54,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         if not report_worker_error(rank, exc):
             print(f"ftctl: error (rank {rank}): {exc}", file=sys.stderr)
         return exc.exit_code
+    except Exception as exc:  # the parent decides: a peer's death explains it, or its traceback is printed
+        if args.debug or not report_worker_error(rank, exc):
+            raise
+        return 1
     if rank == 0:
         print(done_line(result), flush=True)
     return 0
@@ -102,6 +109,11 @@ def train_under_launcher(cfg, debug: bool = False):
 
                 end_failed_run(run_dir, exc)
             raise
+        finally:
+            if place.rank == 0:
+                from ftctl.training.run_dir import finish_run_dir
+
+                finish_run_dir(run_dir)
         return result if place.rank == 0 else None
     finally:
         if owns_group and dist.is_initialized():

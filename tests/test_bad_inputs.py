@@ -45,7 +45,22 @@ CASES = {
                             r"x\.jsonl:1: data.format=auto cannot tell the format of a record with the fields 'answer', 'question'; "
                             r"set data.format to one of alpaca, "),
     "unknown_format": (lambda d: ["data.format=alpacca"], r"unknown data.format 'alpacca'. Did you mean 'alpaca'\?"),
+    "invalid_utf8_line": (lambda d: [f"data.path={not_utf8_line(d)}"], r"x\.jsonl:2:20: not valid UTF-8 \(byte 0xff\); save the file as UTF-8"),
+    "invalid_utf8_array": (lambda d: [f"data.path={not_utf8_array(d)}"], r"x\.json:2:14: not valid UTF-8 \(byte 0xe9\)"),
 }
+
+
+def not_utf8_line(d):
+    return write_bytes(d / "x.jsonl", (json.dumps(GOOD) + "\n").encode() + b'{"instruction": "ab\xff", "output": "b"}\n')
+
+
+def not_utf8_array(d):
+    return write_bytes(d / "x.json", b"[" + json.dumps(GOOD).encode() + b',\n {"output": "\xe9t\xe9"}]')
+
+
+def write_bytes(path, data: bytes):
+    path.write_bytes(data)
+    return path
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -80,3 +95,47 @@ def test_debug_shows_the_traceback_and_only_debug_does(tmp_path):
     assert plain.returncode == 2 and "Traceback" not in plain.stderr
     assert plain.stderr.strip().splitlines() == [plain.stderr.strip()] and plain.stderr.startswith("ftctl: error: ")
     assert debug.returncode != 0 and "Traceback (most recent call last)" in debug.stderr and "ConfigError" in debug.stderr
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("train:\n  lr: !!python/object/apply:os.system [\"touch {marker}\"]\n",
+     r"x\.yaml:2: the YAML tag !!python/object/apply:os.system is not allowed: a config holds plain values, never objects"),
+    ("method:\n  r: 8\ntrain:\n  lr: !custom 3\n", r"x\.yaml:4: the YAML tag !custom is not allowed"),
+    (b"train:\n  lr: 1e-3\n# caf\xe9\n", r"x\.yaml:3:6: not valid UTF-8 \(byte 0xe9\)"),
+])
+def test_config_files_with_tags_or_bad_bytes_are_one_line(text, expected, tmp_path, capsys):
+    import re
+
+    marker = tmp_path / "ran"
+    config = tmp_path / "x.yaml"
+    config.write_bytes(text if isinstance(text, bytes) else text.format(marker=marker).encode())
+    out = tmp_path / "run"
+    assert main(["train", "--config", str(config), f"output_dir={out}", "precision=fp32"]) == 2
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(lines) == 1 and re.search(expected, lines[0]), lines
+    assert not marker.exists() and not out.exists()
+
+
+def test_a_model_saved_as_a_pickle_that_runs_code_is_refused_in_one_line(tmp_path, tiny_model_dir, capsys):
+    import os
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model)
+    marker = tmp_path / "ran"
+
+    class Exploit:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    torch.save({**load_file(model / "model.safetensors"), "x": Exploit()}, model / "pytorch_model.bin")
+    (model / "model.safetensors").unlink()
+    out = tmp_path / "run"
+    assert main(["train", "recipe=tiny_lora", f"model.name_or_path={model}", f"output_dir={out}", "precision=fp32"]) == 1
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip() and "%|" not in line]
+    assert lines == [f"ftctl: error: {model / 'pytorch_model.bin'}: refused to unpickle: it would call posix.system (a pickle "
+                     "can run code; ftctl loads tensors and plain data only); if you trust the file, convert it to safetensors"]
+    assert not marker.exists() and not out.exists()

@@ -53,7 +53,7 @@ def test_keep_best_and_early_stopping(make_cfg, run_training, caplog):
     """No later eval can beat the first by 100 nats: best/ holds step 1's weights and the run stops two evals later,
     logging that step's train line too, checkpointing it, and still saving final/."""
     caplog.set_level(logging.INFO, logger="ftctl")
-    cfg = make_cfg("train.max_steps=10", "train.eval_every=1", "train.save_every=1", "train.log_every=2", "data.eval_fraction=0.2",
+    cfg = make_cfg("train.max_steps=10", "train.eval_every=1", "train.save_every=1", "train.keep_last=0", "train.log_every=2", "data.eval_fraction=0.2",
                    "train.keep_best=true", "train.early_stopping_patience=2", "train.early_stopping_threshold=100")
     result, metrics = run_training(cfg)
     run = result.run_dir

@@ -4,6 +4,7 @@ a user coming from another tool meets: all driven through the `ftctl` command li
 from __future__ import annotations
 
 import json
+import shutil
 import math
 import os
 import subprocess
@@ -137,9 +138,10 @@ def test_a_finished_run_without_a_last_checkpoint_is_not_extended(capsys, tiny_m
     code, _, err = ftctl(capsys, "train", "recipe=tiny_lora", f"model.name_or_path={tiny_model_dir}", f"output_dir={out}",
                          "train.max_steps=2", *QUIET)
     assert code == 0, err
+    shutil.rmtree(out / "checkpoints")  # every run keeps its last step's checkpoint: this one lost it
     code, _, err = ftctl(capsys, "train", f"output_dir={out}", "resume=auto", "train.max_steps=3")
     assert code == 1 and "holds a finished run of 2 steps, but it kept no checkpoint, so it cannot be extended" in err
-    assert "train.save_every>0" in err and (out / "final").is_dir()
+    assert (out / "final").is_dir()
 
 
 def test_recipes_show_cp_and_train_with_config(capsys, tiny_model_dir, tmp_path):

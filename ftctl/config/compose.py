@@ -335,7 +335,10 @@ def to_yaml(run: RunConfig) -> str:
 
 def load_resolved(path: str | Path) -> RunConfig:
     """Read a config.yaml written by :func:`to_yaml` (a run dir's), re-checking it against the schema."""
+    from ftctl.config.config_file import compose_yaml
+
     _register_once()
+    compose_yaml(Path(path))  # UTF-8 and plain values, or one line naming file:line
     try:
         cfg = OmegaConf.merge(OmegaConf.structured(RunConfig), OmegaConf.load(path))
     except OmegaConfBaseException as exc:

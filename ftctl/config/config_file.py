@@ -18,16 +18,42 @@ from ftctl.errors import ConfigError
 CONFIG_FILE_RECIPE = "_config_file"
 
 
-def key_lines(path: Path) -> Dict[str, int]:
-    """Each dotted key the file sets, with its 1-based line ("defaults" is Hydra's, not a key)."""
+#: Tags that plain YAML values resolve to; any other (``!!python/object``, ``!custom``) would ask for an object.
+PLAIN_TAGS = {f"tag:yaml.org,2002:{name}" for name in ("str", "int", "float", "bool", "null", "seq", "map", "timestamp")}
+
+
+def compose_yaml(path: Path):
+    """The file's YAML node tree: its bytes UTF-8 and its values plain, or one error naming file:line."""
+    from ftctl.text_files import read_utf8
+
+    from ftctl.errors import FtctlError
+
     try:
-        root = yaml.compose(path.read_text())
+        root = yaml.compose(read_utf8(path))
+    except FtctlError as exc:  # bytes that are not UTF-8: a config mistake like any other
+        raise ConfigError(str(exc)) from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
         where = f"{path}:{mark.line + 1}" if mark else str(path)
         raise ConfigError(f"{where}: not valid YAML: {getattr(exc, 'problem', None) or exc}") from None
     except OSError as exc:
         raise ConfigError(f"--config {path}: {exc.strerror}") from None
+    stack = [root] if root is not None else []
+    while stack:
+        node = stack.pop()
+        if node.tag not in PLAIN_TAGS:
+            raise ConfigError(f"{path}:{node.start_mark.line + 1}: the YAML tag {node.tag.replace('tag:yaml.org,2002:', '!!')} "
+                              "is not allowed: a config holds plain values, never objects; remove the tag")
+        if isinstance(node, yaml.MappingNode):
+            stack += [part for pair in node.value for part in pair]
+        elif isinstance(node, yaml.SequenceNode):
+            stack += node.value
+    return root
+
+
+def key_lines(path: Path) -> Dict[str, int]:
+    """Each dotted key the file sets, with its 1-based line ("defaults" is Hydra's, not a key)."""
+    root = compose_yaml(path)
     if root is None:
         return {}
     if not isinstance(root, yaml.MappingNode):

@@ -153,6 +153,9 @@ class DataConfig:
     )
     shuffle: bool = option(True, "Shuffle examples every epoch (seeded).")
     cache_dir: Optional[str] = option(None, "Tokenized-data cache; default $FTCTL_HOME/data_cache.")
+    max_record_bytes: int = option(
+        1_000_000, "Records whose JSON text is longer are skipped and counted, without being held in memory; 0 = no limit."
+    )
 
 
 @dataclass
@@ -209,8 +212,11 @@ class TrainConfig:
     )
     log_every: int = option(1, "Write a metrics line every this many steps.")
     eval_every: int = option(0, "Eval loss every this many steps; 0 = only at the end when an eval split exists.")
-    save_every: int = option(0, "Checkpoint every this many steps; 0 = no intermediate checkpoints.")
-    keep_last: int = option(0, "Checkpoints to keep; 0 keeps all.")
+    save_every: int = option(
+        200, "Checkpoint every this many steps (and always at the last step, so that every run can be resumed or "
+        "extended); 0 = only at the last step."
+    )
+    keep_last: int = option(2, "Checkpoints to keep, newest first (each is weights + optimizer state); 0 keeps all.")
     keep_best: bool = option(
         False, "Keep the weights of the best eval so far by train.best_metric in output_dir/best/ (with best.json); "
         "final/ stays the last step's."
@@ -221,7 +227,7 @@ class TrainConfig:
     )
     early_stopping_patience: int = option(
         0, "Stop after this many evals in a row without a better train.best_metric (0 = never stop early); the run "
-        "still saves final/, and a checkpoint when save_every > 0."
+        "still saves final/ and a checkpoint of that step."
     )
     early_stopping_threshold: float = option(
         0.0, "How much lower train.best_metric must be than the best so far to count as better (for keep_best too)."
@@ -237,6 +243,11 @@ class TrainConfig:
     max_nonfinite_steps: int = option(
         0, "Steps with a NaN/inf loss or gradient to skip before stopping; the update of such a step is never applied."
     )
+    stop_on_divergence: bool = option(
+        True, "Stop a run whose loss collapsed to ln(vocab size) with zero gradients, or stayed above its start for "
+        "train.divergence_window steps, keeping its last good checkpoint; false warns once and goes on."
+    )
+    divergence_window: int = option(20, "Steps in a row the loss must stay above its start to count as diverged; 0 disables that check.")
     num_threads: int = option(0, "torch CPU threads per process; 0 = torch's default.")
     compile: bool = option(
         False, "torch.compile each decoder layer on its own (regional compilation); pays off only on long runs."

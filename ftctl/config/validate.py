@@ -84,8 +84,10 @@ def validate(cfg: RunConfig, needs_data: bool = True) -> None:
     _positive("train.micro_batch_size", t.micro_batch_size)
     _positive("train.global_batch_size", t.global_batch_size)
     _positive("train.lr", t.lr)
-    for key in ("warmup_steps", "log_every", "eval_every", "save_every", "keep_last", "num_threads", "max_nonfinite_steps"):
+    for key in ("warmup_steps", "log_every", "eval_every", "save_every", "keep_last", "num_threads", "max_nonfinite_steps",
+                "divergence_window"):
         _positive(f"train.{key}", getattr(t, key), allow_zero=True)
+    _positive("data.max_record_bytes", cfg.data.max_record_bytes, allow_zero=True)
     _positive("train.max_grad_norm", t.max_grad_norm, allow_zero=True)
     _positive("train.weight_decay", t.weight_decay, allow_zero=True)
     _positive("train.log_every", t.log_every)

@@ -4,21 +4,22 @@ from __future__ import annotations
 
 import hashlib
 import inspect
+import itertools
 import json
 import logging
 import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, Iterable, List, Optional, Tuple
 
 import numpy as np
 
 from data_formats import AUTO, FormatError, available, detect_format, get_format, other_format_hint
 from ftctl.config.schema import DataConfig
-from ftctl.data.records import Record
+from ftctl.data.records import Record, RecordLimit
 from ftctl.data.render import TemplateError, ensure_chat_template, tokenize_conversation, tokenize_text
-from ftctl.data.sources import DataSource, fingerprint, locate, read_source
+from ftctl.data.sources import DataSource, fingerprint, iter_source, locate
 from ftctl.errors import FtctlError
 from ftctl.paths import ftctl_home
 
@@ -104,6 +105,7 @@ def _cache_key(source: DataSource, data_format: str, cfg: DataConfig, tokenizer)
         "max_seq_len": cfg.max_seq_len,
         "train_on_prompt": cfg.train_on_prompt,
         "system_prompt": cfg.system_prompt,
+        "max_record_bytes": cfg.max_record_bytes,
     }
     h.update(json.dumps(settings, sort_keys=True).encode())
     h.update(tokenizer_fingerprint(tokenizer).encode())
@@ -112,24 +114,30 @@ def _cache_key(source: DataSource, data_format: str, cfg: DataConfig, tokenizer)
 
 def tokenize_file(path: str | Path, cfg: DataConfig, tokenizer) -> TokenizedDataset:
     source = locate(str(path), "data.path", cfg.split, cfg.subset)
-    return tokenize_records(read_source(source), source, cfg.format, cfg, tokenizer)
+    limit = RecordLimit(cfg.max_record_bytes)
+    return tokenize_records(iter_source(source, limit), source, cfg.format, cfg, tokenizer, limit)
 
 
-def tokenize_records(records: List[Record], source: DataSource, data_format: str, cfg: DataConfig, tokenizer) -> TokenizedDataset:
+def tokenize_records(records: Iterable[Record], source: DataSource, data_format: str, cfg: DataConfig, tokenizer,
+                     limit: Optional[RecordLimit] = None) -> TokenizedDataset:
+    """Tokenize records as they come (a generator keeps only one in memory), with the counts a log needs."""
     ids, labels, offsets = [], [], [0]
     stats = {"examples": 0, "truncated": 0, "dropped_no_trained_tokens": 0}
     where = source.location if source.kind != "hub" else source.value
-    if not records:
-        raise FtctlError(f"{where}: the {'file' if source.kind == 'file' else 'dataset'} holds no examples")
+    records = iter(records)
+    first = next(records, None)
+    if first is None:
+        skipped = f"; {limit.summary()}" if limit is not None and limit.skipped else ""
+        raise FtctlError(f"{where}: the {'file' if source.kind == 'file' else 'dataset'} holds no examples{skipped}")
     stats.update(source=source.describe(), key=source.key, format=data_format, format_detected=None)
     if data_format == AUTO:
         try:
-            data_format, stats["format_detected"] = detect_format(records[0].data)
+            data_format, stats["format_detected"] = detect_format(first.data)
         except FormatError as exc:
-            raise FtctlError(f"{records[0].source}: {exc}") from None
+            raise FtctlError(f"{first.source}: {exc}") from None
         stats["format"] = data_format
     fmt = get_format(data_format)
-    for record in records:
+    for record in itertools.chain([first], records):
         try:
             if fmt.plain_text:
                 examples = tokenize_text(fmt.to_text(record.data), tokenizer, cfg.max_seq_len)
@@ -150,6 +158,9 @@ def tokenize_records(records: List[Record], source: DataSource, data_format: str
             ids.append(np.asarray(example.input_ids, dtype=np.int32))
             labels.append(np.asarray(example.labels, dtype=np.int32))
             offsets.append(offsets[-1] + len(example.input_ids))
+    if limit is not None and limit.skipped:
+        stats["skipped_too_long"] = limit.skipped
+        stats["skipped_note"] = limit.summary()
     if not ids:
         untrained = stats.get("dropped_no_trained_turn", 0)
         if untrained == stats["dropped_no_trained_tokens"]:
@@ -188,14 +199,32 @@ def load_or_tokenize(
             stats = json.loads(str(z["stats"]))
             data = TokenizedDataset(z["input_ids"], z["labels"], z["offsets"], stats)
         data.stats["cache"] = "hit"
-        return data
-    data = tokenize_records(read_source(source), source, data_format, cfg, tokenizer)
-    entry.parent.mkdir(parents=True, exist_ok=True)
-    tmp = entry.with_name(f"{entry.stem}.{os.getpid()}.tmp.npz")
-    np.savez(tmp, input_ids=data.input_ids, labels=data.labels, offsets=data.offsets, stats=json.dumps(data.stats))
-    os.replace(tmp, entry)
-    data.stats["cache"] = "miss"
+    else:
+        limit = RecordLimit(cfg.max_record_bytes)
+        data = tokenize_records(iter_source(source, limit), source, data_format, cfg, tokenizer, limit)
+        _write_cache(entry, data)
+    if data.stats.get("skipped_note"):
+        log.warning("%s: %s", source.describe(), data.stats["skipped_note"])
     return data
+
+
+def _write_cache(entry: Path, data: TokenizedDataset) -> None:
+    """Keep the tokenized data for the next run; a cache that cannot be written costs a warning, not the run."""
+    tmp = entry.with_name(f"{entry.stem}.{os.getpid()}.tmp.npz")
+    try:
+        entry.parent.mkdir(parents=True, exist_ok=True)
+        np.savez(tmp, input_ids=data.input_ids, labels=data.labels, offsets=data.offsets, stats=json.dumps(data.stats))
+        os.replace(tmp, entry)
+        data.stats["cache"] = "miss"
+    except OSError as exc:
+        from ftctl.fs_faults import fault_errno, fault_message
+
+        tmp.unlink(missing_ok=True)
+        code = fault_errno(exc, entry.parent)
+        if code is None:
+            raise
+        log.warning("tokenized data not cached: %s", fault_message(code, entry.parent, "the tokenized-data cache", data.input_ids.nbytes * 2))
+        data.stats["cache"] = "not written"
 
 
 def build_datasets(cfg: DataConfig, tokenizer, seed: int) -> Tuple[TokenizedDataset, Optional[TokenizedDataset]]:

@@ -174,16 +174,32 @@ def _check_hub_reachable_or_cached(source: DataSource) -> None:
 # --- reading --------------------------------------------------------------------------------------
 
 def read_source(source: DataSource):
-    """The source's records (ftctl.data.records.Record), each knowing where it came from."""
-    from ftctl.data.records import Record, read_records
+    """The source's records (ftctl.data.records.Record), each knowing where it came from, as a list."""
+    return list(iter_source(source))
 
+
+def iter_source(source: DataSource, limit=None):
+    """The source's records one at a time: memory holds one record, not the source.
+
+    ``limit`` (a RecordLimit) skips and counts records longer than it allows, without holding them.
+    """
+    from ftctl.data.records import RecordLimit, iter_records
+
+    limit = limit or RecordLimit()
     if source.kind == "file":
-        return read_records(source.location)
+        return iter_records(source.location, limit)
     if source.kind == "directory":
-        return [record for path in data_files(Path(source.location)) for record in read_records(path)]
+        return (record for path in data_files(Path(source.location)) for record in iter_records(path, limit))
     dataset = _load_saved(source) if source.kind == "saved" else _load_hub(source)
-    where = source.describe()
-    return [Record(row, f"{where} row {i}") for i, row in enumerate(dataset.to_list())]
+    return _dataset_records(dataset, source.describe(), limit)
+
+
+def _dataset_records(dataset, where: str, limit):
+    from ftctl.data.records import Record, text_size
+
+    for i, row in enumerate(dataset):
+        if not limit.over(text_size(row), f"{where} row {i}"):
+            yield Record(row, f"{where} row {i}")
 
 
 def _load_saved(source: DataSource):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pickle
 import re
 from pathlib import Path
 from typing import Optional
@@ -75,6 +76,11 @@ def load_causal_lm(model_cfg: ModelConfig, model_path: str, *, dtype, quantizati
         )
     except (OSError, ValueError) as exc:
         raise FtctlError(f"could not load the model from {model_path}: {str(exc).splitlines()[0]}") from None
+    except pickle.UnpicklingError as exc:  # torch's safe loader met a pickle that would run code
+        from ftctl.errors import refused_pickle
+
+        pickles = sorted(p.name for p in Path(model_path).glob("*") if p.suffix in (".bin", ".pt", ".pth", ".ckpt", ".pkl"))
+        raise refused_pickle(Path(model_path) / pickles[0] if len(pickles) == 1 else f"{model_path} ({', '.join(pickles)})", exc) from None
 
 
 def model_config_dict(model_path: Optional[str]) -> dict:

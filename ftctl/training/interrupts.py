@@ -18,12 +18,22 @@ class TrainingInterrupted(FtctlError):
 
 
 class NonFiniteTraining(FtctlError):
-    def __init__(self, step, loss, grad_norm, kept_checkpoint):
+    def __init__(self, step, loss, grad_norm, kept_checkpoint, precision: str = "fp32", lr: Optional[float] = None):
         kept = f"the last good state is saved in {kept_checkpoint}" if kept_checkpoint else "no step had completed yet"
         super().__init__(
-            f"step {step}: non-finite training (loss {loss}, gradient norm {grad_norm}); {kept}. Lower train.lr, "
-            "use precision=fp32, or allow skipping with train.max_nonfinite_steps=N"
+            f"step {step}: non-finite training (loss {loss}, gradient norm {grad_norm}); {kept}. {nonfinite_advice(precision, lr)}, "
+            "or allow skipping with train.max_nonfinite_steps=N"
         )
+
+
+def nonfinite_advice(precision: str, lr: Optional[float] = None) -> str:
+    """What to change, for this run: fp32 is advice only to a run that is not already fp32."""
+    lower = f"Lower train.lr{f' (now {lr:g})' if lr is not None else ''} or lengthen train.warmup_steps"
+    if precision == "fp32":
+        return lower + " (this run is fp32 already: the numbers themselves grew out of range)"
+    if precision == "fp16":
+        return lower + ", or train in bf16 (where the hardware has it) or fp32, whose range fp16 lacks"
+    return lower + ", or train in precision=fp32"
 
 
 @dataclass
@@ -41,8 +51,9 @@ class NonFiniteGuard:
     the last good ones, and ``keep_last_good`` saves them. fp16 overflows are the scaler's business.
     """
 
-    def __init__(self, allowed: int, scaler_handles_overflow: bool):
+    def __init__(self, allowed: int, scaler_handles_overflow: bool, precision: str = "fp32", lr: Optional[float] = None):
         self.allowed, self.scaler_handles_overflow, self.seen = allowed, scaler_handles_overflow, 0
+        self.precision, self.lr = precision, lr
 
     def check(self, step: int, outcome: StepOutcome, keep_last_good: Callable[[], Optional[object]]) -> None:
         bad_grads = not self.scaler_handles_overflow and not math.isfinite(outcome.grad_norm)
@@ -50,7 +61,7 @@ class NonFiniteGuard:
             return
         self.seen += 1
         if self.seen > self.allowed:
-            raise NonFiniteTraining(step, outcome.loss, outcome.grad_norm, keep_last_good())
+            raise NonFiniteTraining(step, outcome.loss, outcome.grad_norm, keep_last_good(), self.precision, self.lr)
         logging.getLogger("ftctl").warning(
             "step %d: non-finite loss or gradients; update skipped (%d of %d allowed)", step, self.seen, self.allowed
         )

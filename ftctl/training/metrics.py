@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 from typing import Optional, Sequence
 
+from ftctl.fs_faults import writing
 from ftctl.progress import progress_bar as progress_bar_for
 from ftctl.progress import progress_enabled
 from ftctl.training.trackers import numeric_values, open_trackers
@@ -20,7 +21,8 @@ class MetricsLogger:
     def __init__(self, run_dir: Path, total_steps: int, start_step: int, *, enabled: bool, trackers: Sequence[str] = (),
                  params: Optional[dict] = None, progress_bar: bool):
         self.enabled = enabled
-        self._file = open(run_dir / "metrics.jsonl", "a") if enabled else None
+        self._path = run_dir / "metrics.jsonl"
+        self._file = open(self._path, "ab", buffering=0) if enabled else None
         self._trackers = open_trackers(list(trackers), run_dir, params or {}) if enabled else []
         self._bar = None
         if enabled and progress_bar and progress_enabled():
@@ -30,8 +32,7 @@ class MetricsLogger:
         if not self.enabled:
             return
         record = {"step": step, **{k: _plain(v) for k, v in metrics.items()}}
-        self._file.write(json.dumps(record) + "\n")
-        self._file.flush()
+        self._append((json.dumps(record) + "\n").encode())
         values = numeric_values(record)
         for tracker in self._trackers:
             tracker.log(step, values)
@@ -42,6 +43,18 @@ class MetricsLogger:
         scores = [f"{k} {v:.4f}" for k, v in record.items() if k.startswith("eval") and isinstance(v, float)]
         if scores:
             log.info("step %d: %s", step, ", ".join(scores))
+
+    def _append(self, line: bytes) -> None:
+        """One whole line or none: a write the disk cuts short is taken back, so the file never ends mid-line."""
+        start = self._file.seek(0, 2)
+
+        def take_back():
+            self._file.truncate(start)
+
+        with writing(self._path, "metrics.jsonl", len(line), take_back):
+            view = memoryview(line)
+            while view:
+                view = view[self._file.write(view):]
 
     def advance(self) -> None:
         if self._bar is not None:
@@ -131,8 +144,19 @@ def _plain(value):
 
 
 def read_metrics(run_dir: Path) -> list:
+    """The metrics lines of a run; a last line cut off by a kill is left out (a resume drops it from the file)."""
     path = Path(run_dir) / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    if not path.exists():
+        return []
+    lines = [line for line in path.read_text(errors="replace").splitlines() if line.strip()]
+    records = []
+    for number, line in enumerate(lines, start=1):
+        try:
+            records.append(json.loads(line))
+        except ValueError:
+            if number < len(lines):
+                raise
+    return records
 
 
 def final_loss(run_dir: Path) -> Optional[float]:

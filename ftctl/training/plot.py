@@ -88,5 +88,8 @@ def plot_after_run(run_dir: Path) -> Optional[Path]:
     except FtctlError:  # stopped before its first metrics line: nothing to draw
         return None
     except Exception as exc:  # noqa: BLE001 - the run's results are saved; a plot must not turn it into a failure
-        log.warning("could not draw %s: %s", run_dir / PLOT_FILE, exc)
+        from ftctl.fs_faults import fault_errno
+
+        # A full or lost disk is the run's own error, said once; the plot's failure would only repeat it.
+        (log.debug if fault_errno(exc) is not None else log.warning)("could not draw %s: %s", run_dir / PLOT_FILE, exc)
         return None

@@ -10,16 +10,19 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import pickle
+import shutil
 from dataclasses import asdict
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
 from ftctl.config.schema import RunConfig
-from ftctl.errors import FtctlError
+from ftctl.errors import FtctlError, refused_pickle
 from ftctl.parallel.support import CHECKPOINT_STATE_DIRS
-from ftctl.training.checkpoint import STATE_FILE, complete_checkpoints, set_rng_state
+from ftctl.training.checkpoint import STATE_FILE, checkpoint_problem, checkpoints_dir, set_rng_state, step_dirs
 
 log = logging.getLogger("ftctl")
 
@@ -28,7 +31,7 @@ RESUME_SAFE_KEYS = {
     "resume", "overwrite", "output_dir",
     "train.save_every", "train.keep_last", "train.log_every", "train.eval_every", "train.progress_bar",
     "train.tensorboard", "train.report_to", "train.plot", "train.num_threads", "train.max_nonfinite_steps",
-    "train.early_stopping_patience",
+    "train.early_stopping_patience", "train.stop_on_divergence", "train.divergence_window",
     "parallel.master_addr", "parallel.master_port", "parallel.rdzv_backend", "parallel.rdzv_id", "parallel.node_rank",
     "data.cache_dir",
 }
@@ -64,16 +67,46 @@ def run_length(cfg: RunConfig) -> tuple:
 
 
 def resume_checkpoint(cfg: RunConfig, run_dir: Path) -> Optional[Path]:
-    """The checkpoint dir to continue from: the latest complete one for resume=auto, or the given path."""
+    """The checkpoint dir to continue from: the newest usable one for resume=auto, or the given path (refused
+    in one line when it is not usable)."""
     if not cfg.resume:
         return None
     if cfg.resume == "auto":
-        found = complete_checkpoints(run_dir)
-        return found[-1] if found else None
+        return usable_checkpoint(run_dir)[0]
     path = Path(cfg.resume).expanduser()
-    if not (path / STATE_FILE).is_file():
-        raise FtctlError(f"resume={cfg.resume}: not a complete ftctl checkpoint (no {STATE_FILE})")
+    problem = checkpoint_problem(path) if path.is_dir() else "no such directory"
+    if problem:
+        raise FtctlError(f"resume={cfg.resume}: not a usable ftctl checkpoint: {problem}; pass another checkpoint dir "
+                         "(RUN/checkpoints/step-N), or resume=auto to take the run's newest usable one")
     return path
+
+
+def usable_checkpoint(run_dir: Path) -> Tuple[Optional[Path], List[Tuple[Path, str]]]:
+    """The newest checkpoint that passes checkpoint_problem, and the newer ones that did not, with what is wrong."""
+    damaged = []
+    for _, ckpt in reversed(step_dirs(run_dir)):
+        problem = checkpoint_problem(ckpt)
+        if problem is None:
+            return ckpt, damaged
+        damaged.append((ckpt, problem))
+    return None, damaged
+
+
+def set_aside_damaged(run_dir: Path) -> Optional[Path]:
+    """resume=auto, by the process owning the run dir: damaged checkpoints newer than the newest usable one are
+    renamed out of the way (never resumed or pruned, kept to look at), saves cut off are removed; returns the usable one."""
+    ckpt, damaged = usable_checkpoint(run_dir)
+    for path, problem in damaged:
+        target, n = path.with_name(f"{path.name}.damaged"), 1
+        while target.exists():
+            n += 1
+            target = path.with_name(f"{path.name}.damaged-{n}")
+        os.replace(path, target)
+        then = f"continuing from {ckpt.name}" if ckpt is not None else "no usable checkpoint is left"
+        log.warning("resume=auto: %s is damaged (%s); set aside as %s, %s", path, problem, target.name, then)
+    for partial in checkpoints_dir(run_dir).glob(".step-*.partial") if checkpoints_dir(run_dir).is_dir() else []:
+        shutil.rmtree(partial, ignore_errors=True)  # a save that was cut off: never complete, never resumed
+    return ckpt
 
 
 SAME_LAYOUT = {"single", "ddp"}  # neither keeps a state dir of its own (CHECKPOINT_STATE_DIRS)
@@ -112,8 +145,16 @@ def restore_training_state(ckpt: Path, engine, backend) -> int:
             f"{ckpt} was written by {state['world_size']} processes and this run has {backend.world_size}; "
             "resume with the same parallel settings"
         )
-    engine.load_training_state(ckpt, backend.rank)
-    set_rng_state(torch.load(ckpt / f"rng.rank{backend.rank}.pt", weights_only=True))
+    optimizer_file = ckpt / f"optimizer.rank{backend.rank}.pt"
+    try:
+        engine.load_training_state(ckpt, backend.rank)
+    except pickle.UnpicklingError as exc:
+        raise refused_pickle(optimizer_file if optimizer_file.is_file() else ckpt, exc) from None
+    rng_file = ckpt / f"rng.rank{backend.rank}.pt"
+    try:
+        set_rng_state(torch.load(rng_file, weights_only=True))
+    except pickle.UnpicklingError as exc:
+        raise refused_pickle(rng_file, exc) from None
     if backend.is_main:
         log.info("resumed from %s at step %d", ckpt, state["step"])
     return int(state["step"])

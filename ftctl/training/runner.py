@@ -33,7 +33,8 @@ from ftctl.models.compile import compile_decoder_layers
 from ftctl.models.packed_attention import KernelCapabilities, choose_packed_kernel, use_packed_attention
 from ftctl.parallel.backends import create_backend
 from ftctl.precision.policy import resolve_precision
-from ftctl.training.checkpoint import save_checkpoint
+from ftctl.training.checkpoint import save_checkpoint, save_result
+from ftctl.training.divergence import DivergenceGuard, uniform_prediction_loss
 from ftctl.training.evals import BestSoFar, RunEvals, write_weights
 from ftctl.training.interrupts import NonFiniteGuard, StepOutcome, StopRequest, TrainingInterrupted
 from ftctl.training.loss import returns_head_output, token_loss_sum
@@ -137,14 +138,15 @@ def _train(cfg: RunConfig, run_dir: Path, backend) -> TrainResult:
     metrics = MetricsLogger(run_dir, steps, start_step, enabled=backend.is_main, trackers=requested_trackers(t),
                             params=flatten_keys(asdict(cfg)), progress_bar=t.progress_bar)
     window = LogWindow(backend.device)
-    nonfinite = NonFiniteGuard(t.max_nonfinite_steps, precision.needs_scaler)
+    nonfinite = NonFiniteGuard(t.max_nonfinite_steps, precision.needs_scaler, precision.name, t.lr)
+    divergence = DivergenceGuard(t, uniform_prediction_loss(model), run_dir)
     outcome, eval_loss = None, None
 
     def checkpoint(step: int):
         with evaluation_weights(engine.optimizer):  # a checkpoint is a loadable result too
             return save_checkpoint(run_dir, step, backend=backend, engine=engine, method=method, model=model,
                                    tokenizer=tokenizer, extra={"loss": outcome.loss if outcome else None, "parallel": cfg.parallel.name, **best.state()},
-                                   keep_last=t.keep_last)
+                                   keep_last=t.keep_last, protect_before=divergence.suspect_since)
 
     def save_best(directory, info):
         with evaluation_weights(engine.optimizer):
@@ -177,8 +179,9 @@ def _train(cfg: RunConfig, run_dir: Path, backend) -> TrainResult:
                     metrics.log(done, scores)
                     eval_loss = next(iter(scores.values()))
                     best.act(done, save_best)  # best/ and the early-stopping line
-                # And at the end: a finished run can then be extended to more steps (resume=auto).
-                if t.save_every and (done % t.save_every == 0 or done == steps or stopping):
+                divergence.check(done, outcome.loss, outcome.grad_norm)  # logged first, never saved
+                # Always at the end (and an early stop's end): every run can be resumed or extended (resume=auto).
+                if done == steps or stopping or (t.save_every and done % t.save_every == 0):
                     checkpoint(done)
                 if stopping:
                     break
@@ -196,7 +199,7 @@ def _train(cfg: RunConfig, run_dir: Path, backend) -> TrainResult:
     settle_final_weights(engine.optimizer)
     state = engine.gathered_state_dict()
     if backend.is_main:
-        method.save(model, tokenizer, final_dir, state_dict=method.trainable_state_dict(model, state))
+        save_result(final_dir, lambda out: method.save(model, tokenizer, out, state_dict=method.trainable_state_dict(model, state)))
         log.info("saved %s result to %s (final loss %.4f)", method.name, final_dir, outcome.loss)
         if best.summary():
             log.info(best.summary())
