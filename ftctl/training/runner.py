@@ -28,9 +28,9 @@ from ftctl.methods import create_method
 from ftctl.models.checkpointing import enable_activation_checkpointing
 from ftctl.models.kernels import use_kernels
 from ftctl.models.neftune import add_neftune_noise
-from ftctl.models.loading import load_tokenizer, resolve_model_path
+from ftctl.models.loading import attention_for_run, load_tokenizer, resolve_model_path
 from ftctl.models.compile import compile_decoder_layers
-from ftctl.models.packed_attention import KernelCapabilities, choose_packed_kernel, use_packed_attention
+from ftctl.models.packed_attention import use_packed_attention
 from ftctl.parallel.backends import create_backend
 from ftctl.precision.policy import resolve_precision
 from ftctl.training.checkpoint import save_checkpoint
@@ -81,11 +81,11 @@ def _train(cfg: RunConfig, run_dir: Path, backend) -> TrainResult:
         torch.set_num_threads(t.num_threads)
     seed_everything(cfg.seed)
     precision = resolve_precision(cfg.precision, backend.device)
-    # Chosen before anything loads: a kernel this machine lacks is a message, not a wasted model load.
-    kernel = choose_packed_kernel(KernelCapabilities.probe(backend.device.type), cfg.data.packed_attention)
-    method = create_method(cfg)
-
     model_path = resolve_model_path(cfg.model.name_or_path)
+    # One decision before anything loads, from the model's config: the attention it loads with and the packed
+    # kernel; a kernel this machine or precision cannot run is a message, not a wasted model load.
+    attention = attention_for_run(cfg, model_path, backend.device.type, precision.name)
+    method = create_method(cfg, attention)
     tokenizer = load_tokenizer(cfg.model, model_path)
     # A named template's special tokens the tokenizer splits: a warning, or (data.add_special_tokens) new rows to train.
     method.new_token_ids = add_template_tokens(tokenizer, cfg.data.chat_template, cfg.data.add_special_tokens, say=backend.is_main)
@@ -102,9 +102,10 @@ def _train(cfg: RunConfig, run_dir: Path, backend) -> TrainResult:
         log.info(kernels_used)
     returns_head_output(model)  # probed now, before any wrapper: decides the fused head loss (ftctl.training.loss)
     if cfg.data.packing:
-        if use_packed_attention(model, kernel) and backend.is_main:
-            log.info("packed attention: %s kernel on %s", kernel, backend.device.type)
-        check_packing(model, tokenizer.pad_token_id, precision.compute_dtype)
+        use_packed_attention(model, attention.packed_kernel)
+        ran = check_packing(model, tokenizer.pad_token_id, precision.compute_dtype)
+        if backend.is_main:
+            log.info("packed attention: %s", attention.describe(ran))
     resume_from = resume_checkpoint(cfg, run_dir)
     if resume_from is not None:
         method.load_checkpoint_weights(model, resume_from)
