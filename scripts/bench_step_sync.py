@@ -6,8 +6,9 @@
 Launches ``torch.distributed.run`` with this file as the worker. Each rank trains the tiny 2-layer
 Llama through the real runner and times every call of ``runner.train_step`` (forward, backward,
 optimizer step and whatever the step reduces), counting the ``torch.distributed`` collectives and the
-host reads of tensor values that ftctl's own code makes (``item``, ``tolist``, ``__float__``,
-``__bool__``, ``__int__``, ``cpu``; torch's optimizer reads its CPU step counter, which is not counted)
+host reads of tensor values that ftctl's own code makes in the training loop's thread (``item``,
+``tolist``, ``__float__``, ``__bool__``, ``__int__``, ``cpu``; not torch's own, such as the optimizer's
+CPU step counter, nor the collator's host tensors on the batch-building thread)
 from one step's start to the next's (the loop's metrics and stop check included; the median over
 steps, so the log steps' extra reads do not count); rank 0 prints one JSON line.
 The counts are exact; the times depend on the machine's load.
@@ -23,6 +24,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -42,7 +44,8 @@ def worker(work: Path, steps: int, warmup: int) -> None:
 
     def counting(fn, key, own_only=False):
         def wrapped(*args, **kwargs):
-            if watching[0] and (not own_only or f"{os.sep}ftctl{os.sep}" in sys._getframe(1).f_code.co_filename):
+            if watching[0] and (not own_only or (f"{os.sep}ftctl{os.sep}" in sys._getframe(1).f_code.co_filename
+                                                 and threading.current_thread() is threading.main_thread())):
                 counts[key] += 1
             return fn(*args, **kwargs)
         return wrapped

@@ -260,8 +260,6 @@ class HostReads:
 @pytest.fixture
 def micro_batch_loop_watch(monkeypatch):
     """Watches from the first micro-batch's forward to the optimizer step, in every training step."""
-    import torch
-
     from ftctl.parallel.base import TorchEngine
 
     watch = HostReads()
@@ -271,23 +269,32 @@ def micro_batch_loop_watch(monkeypatch):
         watch.start()
         return accumulating(self, last_micro_batch)
 
-    def watched_step(self, max_grad_norm):
+    def watched_step(self, max_grad_norm, sync):
         watch.stop()
-        return step(self, max_grad_norm)
+        return step(self, max_grad_norm, sync)
 
     monkeypatch.setattr(TorchEngine, "accumulating", watched_accumulating)
     monkeypatch.setattr(TorchEngine, "step", watched_step)
+    _count_python_reads(watch, monkeypatch)
+    yield watch
+    watch.stop()
+
+
+def _count_python_reads(watch, monkeypatch):
+    """Reads that bypass the dispatcher (tolist, numpy, cpu, item), made by the training loop's thread."""
+    import threading
+
+    import torch
+
     for method in ("tolist", "numpy", "cpu", "item"):
         real = getattr(torch.Tensor, method)
 
         def counted(self, *a, _real=real, _name=method, **k):
-            if watch.active:
+            if watch.active and threading.current_thread() is threading.main_thread():
                 watch.seen.append(_name)
             return _real(self, *a, **k)
 
         monkeypatch.setattr(torch.Tensor, method, counted)
-    yield watch
-    watch.stop()
 
 
 def test_micro_batch_loop_reads_nothing_back(make_cfg, run_training, micro_batch_loop_watch):
@@ -299,6 +306,55 @@ def test_micro_batch_loop_reads_nothing_back(make_cfg, run_training, micro_batch
     _, metrics = run_training(make_cfg(*COMMON, "data.packing=true"))
     assert [m["step"] for m in metrics if "loss" in m] == [1, 2]
     assert micro_batch_loop_watch.seen == []
+
+
+def test_a_step_reduces_once_and_reads_once(make_cfg, run_training, monkeypatch):
+    """The loss, token counts, non-finite flags, the stop flag and the gradient norm travel in one tensor:
+    one collective and one host read per step, from the first step's start to the loop's end (metrics
+    lines every step and the stop check included). It was four of each: the global token count, the
+    loss, the metrics' counts, the stop check (and the gradient norm's float and isfinite)."""
+    import torch
+
+    from ftctl.parallel.base import Backend
+    from ftctl.training import runner
+    from ftctl.training.metrics import MetricsLogger
+
+    steps, collectives, watch = [], [], HostReads()
+    reduce_sum, train_step, close = Backend.all_reduce_sum, runner.train_step, MetricsLogger.close
+
+    def counted_reduce(self, value):
+        collectives.append(len(steps))
+        return reduce_sum(self, value)
+
+    def counted_step(*args, **kwargs):
+        steps.append(len(watch.seen))
+        watch.start()
+        return train_step(*args, **kwargs)
+
+    def loop_ends(self):
+        watch.stop()
+        return close(self)
+
+    def optimizer_step(self, *args, **kwargs):  # torch's AdamW reads its step counters, host tensors, per parameter
+        watch.stop()
+        try:
+            return adamw_step(self, *args, **kwargs)
+        finally:
+            watch.start()
+
+    adamw_step = torch.optim.AdamW.step
+    monkeypatch.setattr(torch.optim.AdamW, "step", optimizer_step)
+    monkeypatch.setattr(Backend, "all_reduce_sum", counted_reduce)
+    monkeypatch.setattr(runner, "train_step", counted_step)
+    monkeypatch.setattr(MetricsLogger, "close", loop_ends)
+    _count_python_reads(watch, monkeypatch)
+    _, metrics = run_training(make_cfg(*COMMON, "data.packing=true", "train.max_steps=3", "train.log_every=1",
+                                       "train.save_every=0"))
+    assert [m["step"] for m in metrics if "loss" in m] == [1, 2, 3]
+    assert collectives == [1, 2, 3]
+    reads_before_each_step = steps + [len(watch.seen)]
+    assert [b - a for a, b in zip(reads_before_each_step[1:], reads_before_each_step[2:])] == [1, 1], watch.seen
+    assert len(watch.seen) == 3, watch.seen
 
 
 def test_the_watch_sees_a_host_read(make_cfg, run_training, micro_batch_loop_watch, monkeypatch):
@@ -436,9 +492,9 @@ def test_cuda_micro_batch_loop_never_syncs(make_cfg, run_training, monkeypatch):
         torch.cuda.set_sync_debug_mode("error")
         return accumulating(self, last_micro_batch)
 
-    def relaxed_step(self, max_grad_norm):
+    def relaxed_step(self, max_grad_norm, sync):
         torch.cuda.set_sync_debug_mode("default")
-        return step(self, max_grad_norm)
+        return step(self, max_grad_norm, sync)
 
     monkeypatch.setattr(TorchEngine, "accumulating", strict_accumulating)
     monkeypatch.setattr(TorchEngine, "step", relaxed_step)

@@ -148,18 +148,12 @@ def test_a_metrics_line_covers_every_step_since_the_last(make_cfg, run_training,
 
 
 def test_a_skipped_non_finite_step_does_not_void_the_window_mean():
+    from ftctl.training.interrupts import StepOutcome
     from ftctl.training.metrics import LogWindow
-
-    class OneRank:
-        @staticmethod
-        def all_reduce_sum(tensor):
-            return tensor
-
-    from types import SimpleNamespace
 
     window = LogWindow()
     for loss, tokens in ((2.0, 10), (float("nan"), 30), (4.0, 30)):
-        window.add([SimpleNamespace(real_tokens=tokens, positions=tokens)], loss, tokens, OneRank())
+        window.add(StepOutcome(loss, 1.0, False, tokens, real_tokens=tokens, positions=tokens))
     line = window.take()
     assert line["loss"] == pytest.approx((2.0 * 10 + 4.0 * 30) / 40) and line["trained_tokens"] == 70
 

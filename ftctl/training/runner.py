@@ -44,6 +44,7 @@ from ftctl.training.plot import plot_after_run
 from ftctl.training.resume import flatten_keys, restore_training_state, resume_checkpoint
 from ftctl.training.run_dir import announce_run_dir
 from ftctl.training.schedule import learning_rate, total_steps
+from ftctl.training.step_sync import StepSync
 from ftctl.training.trackers import requested_trackers
 
 log = logging.getLogger("ftctl")
@@ -154,19 +155,19 @@ def _train(cfg: RunConfig, run_dir: Path, backend) -> TrainResult:
     if backend.is_main:  # only now: a run that fails while loading leaves no run dir to announce
         announce_run_dir(run_dir)
 
-    def step_batches(step: int):
-        return make_batches(train_data, sampler.rank_share(step, backend.rank, backend.world_size))
+    def step_share(step: int):
+        return make_batches.step_share(train_data, sampler, step, backend.rank, backend.world_size)
 
     engine.module.train()
-    upcoming = StepBatches(step_batches, range(start_step, steps), pin_memory=backend.device.type == "cuda")
+    upcoming = StepBatches(step_share, range(start_step, steps), pin_memory=backend.device.type == "cuda")
     with StopRequest() as stop, upcoming:
         try:
-            for step, batches in upcoming:
+            for step, share in upcoming:
                 lr = learning_rate(step, t, steps)
                 engine.set_lr(lr)
-                outcome = train_step(engine, batches, backend, precision, t.max_grad_norm)
+                outcome = train_step(engine, share, backend, precision, t.max_grad_norm, stop.requested_here)
                 nonfinite.check(step + 1, outcome, keep_last_good=lambda: checkpoint(step) if step > 0 else None)
-                window.add(batches, outcome.loss, outcome.global_tokens, backend)
+                window.add(outcome)
                 done = step + 1
                 metrics.advance()
                 scores = evals.run(lambda data: evaluate(engine, data, make_batches, backend, precision)) if evals.due(done, steps) else None
@@ -183,7 +184,7 @@ def _train(cfg: RunConfig, run_dir: Path, backend) -> TrainResult:
                     checkpoint(done)
                 if stopping:
                     break
-                if stop.requested(backend):
+                if outcome.stop_requested:
                     raise TrainingInterrupted(
                         f"{stop.signal_name} at step {done}: checkpoint saved to {checkpoint(done)}; continue with "
                         f"the same command plus resume=auto (output_dir={run_dir})"
@@ -205,28 +206,34 @@ def _train(cfg: RunConfig, run_dir: Path, backend) -> TrainResult:
     return TrainResult(run_dir, final_dir, best.stopped_at or steps, outcome.loss, eval_loss, model)
 
 
-def train_step(engine, batches, backend, precision, max_grad_norm: float) -> StepOutcome:
+def train_step(engine, share, backend, precision, max_grad_norm: float, stop_requested=lambda: False) -> StepOutcome:
     """One optimizer step over this rank's micro-batches; the loss is the global batch's mean token loss.
 
     Nothing in the micro-batch loop reads a device value back (on a GPU each read stalls the queue):
-    the token counts are host numbers, and the loss sums up on the device until the step's end.
+    the token counts are host numbers and the loss sums up on the device. The step then reduces
+    once across ranks and reads once (:class:`ftctl.training.step_sync.StepSync`).
     """
     # Normalise by the trained tokens of the whole global batch, so the update does not depend on
-    # how the batch is split over micro-batches and ranks.
-    global_tokens = float(backend.all_reduce_sum(torch.tensor(float(sum(b.trained_tokens for b in batches)))))
+    # how the batch is split over micro-batches and ranks; every rank counted them before the step.
+    global_tokens = share.global_trained_tokens
     # Data-parallel backends average gradients over ranks; the world size undoes that.
     scale = backend.world_size / global_tokens if global_tokens else float("nan")
-    loss_sum = None
+    loss_sum = torch.zeros((), dtype=torch.float64, device=backend.device)
+    batches = share.micro_batches
     for i, batch in enumerate(batches):
         with engine.accumulating(last_micro_batch=i == len(batches) - 1):
             with precision.autocast():
                 micro_loss = token_loss_sum(engine.module, batch, backend.device)
             engine.backward(micro_loss * scale)
-        detached = micro_loss.detach().double()
-        loss_sum = detached if loss_sum is None else loss_sum + detached
-    result = engine.step(max_grad_norm)
-    loss = float(backend.all_reduce_sum(loss_sum)) / global_tokens if global_tokens else float("nan")
-    return StepOutcome(loss, result.grad_norm, result.skipped, int(global_tokens))
+        loss_sum += micro_loss.detach().double()
+    sync = StepSync(backend, loss_sum, batches, stop_requested)
+    result = engine.step(max_grad_norm, sync)
+    totals = sync.totals
+    if totals.trained_tokens != global_tokens:
+        raise RuntimeError(f"the ranks' micro-batches hold {totals.trained_tokens} trained tokens, the global batch {global_tokens}")
+    loss = totals.loss_sum / global_tokens if global_tokens else float("nan")
+    return StepOutcome(loss, result.grad_norm, result.skipped, global_tokens, totals.real_tokens, totals.positions,
+                       totals.stop_requested)
 
 
 @torch.no_grad()
