@@ -571,15 +571,16 @@ def test_full_bf16_keeps_a_compute_copy_of_every_linear_weight_and_the_estimate_
     layer_linear = sum(i * o for i, o, _ in arch.linear_shapes().values())
     assert sum(saved.values()) == arch.layers * layer_linear * 2
 
-    # The estimate: what autograd keeps for the activations, plus exactly these copies.
-    from ftctl.estimate import activation_bytes
+    # The estimate adds exactly these copies. Everything else it counts grows with the micro-batch's tokens
+    # (the output head's gradient is the same in bf16 and fp32), so the part that does not, 2·f(n) − f(2n),
+    # differs between bf16 and fp32 by the copies alone: measured above, not taken from the estimator.
+    def fixed_part(precision):
+        def activations(micro_batch):
+            return estimate_for(make_cfg("method=full", precision, f"train.micro_batch_size={micro_batch}",
+                                         "train.global_batch_size=8")).activations_without_checkpointing_bytes
+        return 2 * activations(1) - activations(2)
 
-    est = estimate_for(cfg)
-    tokens = cfg.train.micro_batch_size * cfg.data.max_seq_len
-    without_copies = activation_bytes(arch, cfg, set(), tokens, 4, 2)[0]
-    assert est.activations_without_checkpointing_bytes == round(without_copies + arch.layers * layer_linear * 2)
-    fp32 = estimate_for(make_cfg("method=full", "precision=fp32"))
-    assert fp32.activations_without_checkpointing_bytes == round(activation_bytes(arch, cfg, set(), tokens, 4, 4)[0])
+    assert abs((fixed_part("precision=bf16") - fixed_part("precision=fp32")) - sum(saved.values())) <= 2
 
 
 def test_a_kernel_the_machine_lacks_is_refused_before_the_model_loads(make_cfg, run_training, monkeypatch):

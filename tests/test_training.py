@@ -134,7 +134,22 @@ def test_eval_split_logs_eval_loss_and_tensorboard(make_cfg, run_training):
     evals = [m for m in metrics if "eval_loss" in m]
     assert [m["step"] for m in evals] == [2, 4]
     assert result.last_eval_loss == pytest.approx(evals[-1]["eval_loss"], rel=1e-7)
-    assert list((result.run_dir / "tensorboard").glob("events.out.tfevents.*"))
+    # Read back through TensorBoard's own reader: every metrics line's numbers, at their steps.
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from ftctl.training.trackers import numeric_values
+
+    events = EventAccumulator(str(result.run_dir / "tensorboard"), size_guidance={"scalars": 0})
+    events.Reload()
+    logged = {tag: {e.step: e.value for e in events.Scalars(tag)} for tag in events.Tags()["scalars"]}
+    expected = {}
+    for line in metrics:
+        for tag, value in numeric_values(line).items():
+            expected.setdefault(tag, {})[line["step"]] = value
+    assert {"train/loss", "eval/eval_loss", "train/grad_norm", "train/lr"} <= set(expected)
+    assert set(logged) == set(expected)
+    for tag, by_step in expected.items():
+        assert logged[tag] == pytest.approx(by_step, rel=1e-6), tag  # TensorBoard keeps float32
 
 
 def test_a_metrics_line_covers_every_step_since_the_last(make_cfg, run_training, tmp_path):
