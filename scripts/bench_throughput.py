@@ -251,6 +251,7 @@ def tokenized(s: dict):
 def worker_ftctl(s: dict) -> dict:
     from ftctl.config.compose import compose_config
     from ftctl.data.batching import StepSampler
+    from ftctl.models.packed_attention import record_packed_kernels
     from ftctl.training.metrics import read_metrics
     from ftctl.training.run_dir import prepare_run_dir
     from ftctl.training.runner import train
@@ -262,7 +263,8 @@ def worker_ftctl(s: dict) -> dict:
         "train.progress_bar=false", "train.tensorboard=false", f"train.kernels={s.get('kernels', 'ftctl')}",
         *s.get("extra_overrides", []),
     ])
-    train(cfg, prepare_run_dir(cfg))
+    with record_packed_kernels() as ran:  # what ran, not what was asked for (compiled layers are not seen)
+        train(cfg, prepare_run_dir(cfg))
     steps = [m for m in read_metrics(run_dir) if "loss" in m][s["warmup"]:]
     seconds = sum(m["trained_tokens"] / m["trained_tokens_per_s"] for m in steps)
     sampler = StepSampler(len(data), s["global"], cfg.seed, cfg.data.shuffle)
@@ -275,18 +277,8 @@ def worker_ftctl(s: dict) -> dict:
         "padding_waste": sum(m["padding_waste"] for m in steps) / len(steps),
         "flops": model_flops(config, lengths, trained, s["lora_r"], full=s.get("method") == "full"),
         "final_loss": steps[-1]["loss"],
-        **({"packed_kernel": _packed_kernel(cfg)} if s["packing"] else {}),
+        **({"packed_kernel": "+".join(sorted(ran)) or "none"} if s["packing"] else {}),
     }
-
-
-def _packed_kernel(cfg) -> str:
-    """The packed attention kernel the run chose (the runner logs it; the same seam answers here)."""
-    import torch
-
-    from ftctl.models.packed_attention import KernelCapabilities, choose_packed_kernel
-
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    return choose_packed_kernel(KernelCapabilities.probe(device), cfg.data.packed_attention)
 
 
 def worker_trl(s: dict) -> dict:

@@ -10,7 +10,9 @@ GPU_MEASURE_BUDGET seconds (default 480); $OUT/gpu_measure.json is rewritten aft
 2. Llama-3.2-1B shape, LoRA: ftctl packed and padded against TRL SFTTrainer padded and packed
    (and TRL+Liger and ftctl+Liger, train.kernels=liger, when liger-kernel is installed, which also runs
    tests/test_training_options.py's CUDA test of train.kernels=liger): trained tok/s, MFU, peak GPU memory;
-3. the packed kernels one by one: varlen, flex, sdpa without cuDNN (flash_varlen if flash-attn is installed);
+3. the packed kernels one by one: varlen, flex, sdpa without cuDNN (flash_varlen if flash-attn is installed),
+   each first checked (packed loss and gradients against padded, bf16, the tiny model) and then timed,
+   recording the kernel that actually ran;
 4. full fine-tuning and QLoRA, packed (QLoRA's peak memory against LoRA's at the same batch);
 5. the estimate against torch.cuda.max_memory_allocated for full, LoRA and QLoRA on fixed-length
    batches (micro-batch 8 × 2048 tokens, every example longer than the row);
@@ -68,6 +70,8 @@ def run(name: str, cmd: list, timeout: float, json_out: Path = None) -> dict:
     for line in out.splitlines():
         if line.startswith("MEMORY "):
             result.setdefault("memory", []).append(json.loads(line[len("MEMORY "):]))
+        if line.startswith("KERNEL_CHECK "):
+            result["check"] = json.loads(line[len("KERNEL_CHECK "):])
     RESULTS[name] = result
     save()
     print(f"[{time.time() - T0:6.1f}s] {name}: rc={rc} in {result['seconds']}s", flush=True)
@@ -125,9 +129,40 @@ def memory_check(method: str, model_dir: str) -> None:
     }), flush=True)
 
 
+# ------------------------------------------------------------------ packed kernels: right before fast
+
+
+def kernel_check(kernel: str) -> None:
+    """Packed against padded through ``kernel`` on the GPU: loss and every gradient, bf16 autocast, tiny model."""
+    import numpy as np
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from ftctl.models.tiny import build_tiny_llama
+    from ftctl.training.packing_check import packed_training_gap
+
+    model_dir = WORK / "tiny-llama"
+    if not (model_dir / "config.json").exists():
+        build_tiny_llama(model_dir)
+    rng = np.random.default_rng(0)
+    examples = []
+    for n, prompt in ((30, 10), (17, 3), (45, 20), (9, 2), (22, 5), (60, 12)):
+        ids = rng.integers(10, 500, n)
+        labels = ids.copy()
+        labels[:prompt] = -100
+        examples.append((ids, labels))
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa").cuda()
+    gap = packed_training_gap(model, kernel, examples, 96, 0, torch.bfloat16)
+    ok = gap["ran"] == {kernel} and gap["loss"] <= 2e-2 and gap["grads"] <= 5e-2
+    print("KERNEL_CHECK " + json.dumps({**gap, "ran": sorted(gap["ran"]), "ok": ok}), flush=True)
+
+
 def main() -> None:
     if len(sys.argv) > 2 and sys.argv[1] == "--memory":
         memory_check(sys.argv[2], sys.argv[3])
+        return
+    if len(sys.argv) > 2 and sys.argv[1] == "--kernel-check":
+        kernel_check(sys.argv[2])
         return
     import importlib.util
 
@@ -146,7 +181,14 @@ def main() -> None:
     bench("lora_1b", "--contenders", contenders, "--steps", "8", "--warmup", "2", timeout=240)
     kernels = ["varlen", "flex", "sdpa"] + (["flash_varlen"] if RESULTS["env"]["flash_attn"] else [])
     for kernel in kernels:
-        bench(f"kernel_{kernel}", "--contenders", "ftctl-packed", "--override", f"data.packed_attention={kernel}", *SHORT, timeout=90)
+        check = run(f"check_{kernel}", [sys.executable, __file__, "--kernel-check", kernel], 60).get("check", {})
+        print(f"   packed = padded through {kernel}: {check}", flush=True)
+        timed = bench(f"kernel_{kernel}", "--contenders", "ftctl-packed", "--override", f"data.packed_attention={kernel}",
+                      *SHORT, timeout=90)
+        runs = (timed.get("bench") or {}).get("runs", {}).get("ftctl-packed", [])
+        timed["kernel_ran"] = [r.get("packed_kernel") for r in runs]
+        save()
+        print(f"   kernel that ran while timed: {timed['kernel_ran']}", flush=True)
     bench("full_1b", "--method", "full", "--contenders", "ftctl-packed", *SHORT, timeout=100)
     bench("qlora_1b", "--method", "qlora", "--contenders", "ftctl-packed,ftctl-padded", *SHORT, timeout=120)
     model_dir = WORK / "bench" / "llama-3.2-1b-random"

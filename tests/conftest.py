@@ -37,6 +37,15 @@ def precision_auto_only_where_marked(request, monkeypatch):
     monkeypatch.setattr(precision_auto, "cpu_has_native_bf16", unexpected_probe)
 
 
+@pytest.fixture
+def on_cpu():
+    """This test runs on the CPU on any machine (see tests/devices.py)."""
+    from devices import cpu_only
+
+    with cpu_only():
+        yield
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
     """A 2-layer random Llama with a ChatML tokenizer (pad token distinct from EOS)."""

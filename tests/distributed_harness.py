@@ -91,11 +91,11 @@ class StopAfterSteps:
         class StopAfter(self.stop_request_class):
             checked = 0
 
-            def requested(self, backend):
+            def requested_here(self):  # asked once per step, by the step's one reduction
                 self.checked += 1
                 if self.checked == steps:
                     self.signal_name = "SIGTERM"
-                return super().requested(backend)
+                return super().requested_here()
 
         return StopAfter()
 
@@ -164,10 +164,10 @@ def run_job(job: dict, rank: int, world: int, common: list) -> dict:
             engine = prepare(model, make_optimizer, precision)
             step = engine.step
 
-            def recording_step(max_grad_norm):
+            def recording_step(max_grad_norm, sync):
                 if "grad" not in seen:  # what this rank holds of the gradients when the optimizer runs
                     seen["grad"] = sum(local_numel(p.grad) for p in model.parameters() if p.grad is not None)
-                return step(max_grad_norm)
+                return step(max_grad_norm, sync)
 
             engine.step = recording_step
             seen["engine"], seen["model"] = engine, model

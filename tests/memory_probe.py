@@ -61,8 +61,8 @@ def main() -> None:
     marks = {}
     real_create_method = runner.create_method
 
-    def create_method(cfg):
-        method = real_create_method(cfg)
+    def create_method(cfg, *args):
+        method = real_create_method(cfg, *args)
         real_build = method.build_model
 
         def build_model(*args, **kwargs):

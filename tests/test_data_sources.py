@@ -230,7 +230,7 @@ def test_the_mixture_sampler_gives_every_source_its_share_and_depends_on_the_ste
 
 
 def test_a_mixture_trains_each_source_in_its_format_logs_the_shares_and_resumes_exactly(
-    tmp_path, tiny_model_dir, make_cfg, run_training, capsys
+    tmp_path, tiny_model_dir, make_cfg, run_training, capsys, monkeypatch
 ):
     alpaca = write_jsonl(tmp_path / "a.jsonl", ALPACA)
     chats = write_jsonl(tmp_path / "c.jsonl", [CHAT, {"conversations": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Yo"}]}])
@@ -246,12 +246,28 @@ def test_a_mixture_trains_each_source_in_its_format_logs_the_shares_and_resumes_
     out = capsys.readouterr().out
     assert rc == 0 and f"data       mixture of 75% auto {alpaca}, 25% sharegpt {chats}" in out
 
+    # Trained with weights against the sizes (6 alpaca, 2 chat examples): 1:3 gives each epoch of 8 examples
+    # 2 alpaca and 6 chat ones, which a sampler ignoring the weights (6:2) would not.
+    mixture = f"data.mixture=[{{path:{alpaca},weight:1}},{{path:{chats},format:sharegpt,weight:3}}]"
     common = ("precision=fp32", mixture, "train.max_steps=4", "train.save_every=2", "train.global_batch_size=4", "train.micro_batch_size=2")
     setup_logging()  # the run's log to stdout, as the CLI has it
+    from ftctl.training import runner
+
+    trained_examples, sampler_for = [], runner.sampler_for
+
+    def recording_sampler(*args, **kwargs):
+        sampler = sampler_for(*args, **kwargs)
+        rank_share = sampler.rank_share
+        sampler.rank_share = lambda step, rank, world: trained_examples.extend(rank_share(step, rank, world)) or rank_share(step, rank, world)
+        return sampler
+
+    monkeypatch.setattr(runner, "sampler_for", recording_sampler)
     full, full_metrics = run_training(make_cfg(*common))
     log = capsys.readouterr().out
-    assert f"data mixture, each epoch's share: 75.0% {alpaca}: alpaca (data.format=auto: its first record has 'instruction', 'output'), " \
-           f"weight 3, 6 examples; 25.0% {chats}: sharegpt" in log
+    assert f"data mixture, each epoch's share: 25.0% {alpaca}: alpaca (data.format=auto: its first record has 'instruction', 'output'), " \
+           f"weight 1, 6 examples; 75.0% {chats}: sharegpt, weight 3" in log
+    # Two epochs (4 steps of 4): the chat examples (dataset indices 6 and 7) trained 12 times of 16, each 6 times.
+    assert len(trained_examples) == 16 and trained_examples.count(6) == trained_examples.count(7) == 6
     resumed_cfg = make_cfg(*common, f"output_dir={tmp_path / 'resumed'}", "resume=checkpoints")
     resumed_cfg.resume = str(full.run_dir / "checkpoints" / "step-2")
     _, resumed_metrics = run_training(resumed_cfg)

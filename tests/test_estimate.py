@@ -19,6 +19,10 @@ from ftctl.config.compose import compose_config
 from ftctl.errors import ConfigError
 from ftctl.estimate import estimate_for, format_table
 
+# The estimate is for the machine it runs on (its precision, the CPU-only LoRA dropout path); these are the
+# CPU's figures on every machine, a GPU host's GPU hidden (tests/devices.py).
+pytestmark = pytest.mark.usefixtures("on_cpu")
+
 LLAMA2_7B_PARAMETERS = 6_738_415_616  # as published for meta-llama/Llama-2-7b-hf
 
 
@@ -161,22 +165,18 @@ def test_dry_run_prints_the_plan_and_memory_without_training(capsys, tmp_path):
 
 
 @pytest.mark.parametrize(
-    "overrides, message, refused_only_without_gpu",
+    "overrides, message",
     [
-        (["data.path=/nonexistent/x.jsonl"], r"data.path=/nonexistent/x.jsonl: no such file", False),
-        (["model.name_or_path=/nonexistent/model"], r"no such dir, alias or hub id", False),
-        (["data.format=alpacca"], r"Did you mean 'alpaca'\?", False),
-        (["train.optimizer=paged_adamw_8bit"], r"needs a CUDA device", True),
-        (["parallel=zero2", "parallel.nproc_per_node=2", "precision=fp16"], r"DeepSpeed's fp16 mode .* runs only on GPUs", True),
-        (["model.attn_implementation=flash_attention_2"], r"flash_attention_2 runs only on CUDA GPUs", True),
+        (["data.path=/nonexistent/x.jsonl"], r"data.path=/nonexistent/x.jsonl: no such file"),
+        (["model.name_or_path=/nonexistent/model"], r"no such dir, alias or hub id"),
+        (["data.format=alpacca"], r"Did you mean 'alpaca'\?"),
+        (["train.optimizer=paged_adamw_8bit"], r"needs a CUDA device"),
+        (["parallel=zero2", "parallel.nproc_per_node=2", "precision=fp16"], r"DeepSpeed's fp16 mode .* runs only on GPUs"),
+        (["model.attn_implementation=flash_attention_2"], r"flash_attention_2 runs only on CUDA GPUs"),
     ],
     ids=lambda v: " ".join(v) if isinstance(v, list) else None,
 )
-def test_dry_run_refuses_what_a_real_run_here_would(overrides, message, refused_only_without_gpu, capsys, tmp_path):
-    from ftctl.preflight import gpu_visible
-
-    if refused_only_without_gpu and gpu_visible():
-        pytest.skip("a refusal of machines without a CUDA GPU; this one has one")
+def test_dry_run_refuses_what_a_real_run_here_would(overrides, message, capsys, tmp_path):
     out = tmp_path / "never"
     assert main(["train", "recipe=tiny_lora", "precision=fp32", f"output_dir={out}", *overrides, "--dry-run"]) in (1, 2)
     captured = capsys.readouterr()
@@ -192,10 +192,6 @@ def test_estimate_agrees_with_measured_training_memory(tmp_path):
     micro-batches per step): the estimate is within 25 % of the measured increase in process memory."""
     if not Path("/proc/self/clear_refs").exists():
         pytest.skip("needs Linux /proc to reset the memory high-water mark")
-    from ftctl.preflight import gpu_visible
-
-    if gpu_visible():
-        pytest.skip("measures CPU training's process memory; on a GPU host the runs would train on the GPU")
     configs = ["method=full", "method=lora method.dropout=0.05", "method=full train.gradient_checkpointing=true"]
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="131072", TOKENIZERS_PARALLELISM="false")
     probe = Path(__file__).with_name("memory_probe.py")

@@ -34,23 +34,36 @@ def _load(path, **kwargs):
 
 
 @pytest.mark.parametrize("family, kernel", [("llama", "sdpa"), ("gemma2", "eager"), ("gpt_oss", "eager"), ("qwen3_moe", "sdpa")])
-def test_auto_takes_the_kernel_the_model_class_has(family, kernel, tiny, monkeypatch):
+def test_auto_takes_the_kernel_the_model_class_has(family, kernel, tiny):
+    """One decision for the implementation and the packed kernel: packed runs keep the class's sdpa and
+    run the packed kernel under it (flash-attn's varlen on CUDA when installed, in half precision);
+    classes without sdpa keep their own attention and refuse a packed kernel asked for by name."""
     from transformers import AutoConfig
 
-    from ftctl.models import attention_choice
-    from ftctl.models.attention_choice import choose_attn_implementation
+    from ftctl.errors import ConfigError
+    from ftctl.models.attention_choice import choose_attention, choose_attn_implementation
+    from ftctl.models.packed_attention import KernelCapabilities
 
     config = AutoConfig.from_pretrained(tiny(family))
     assert choose_attn_implementation("auto", config) == kernel
     assert choose_attn_implementation("eager", config) == "eager"  # an explicit kernel is the user's
-    # Packed runs on CUDA take flash-attention's varlen kernel when it is installed and the class has it.
-    assert choose_attn_implementation("auto", config, device_type="cuda", packing=True) in (kernel, "flash_attention_2")
-    monkeypatch.setattr(attention_choice.importlib.util, "find_spec", lambda name: object())
-    cls = attention_choice.causal_lm_class(config)
-    flash = "flash_attention_2" if cls._supports_flash_attn else kernel
-    assert choose_attn_implementation("auto", config, device_type="cuda", packing=True) == flash
-    assert choose_attn_implementation("auto", config, device_type="cuda", packing=False) == kernel
-    assert choose_attn_implementation("auto", config, device_type="cpu", packing=True) == kernel
+    gpu = KernelCapabilities("cuda", flash_attn=True, torch_varlen=True, flex=True)
+    cpu = KernelCapabilities("cpu", flash_attn=True, torch_varlen=True, flex=True)
+
+    def choice(caps, precision="bf16", **kw):
+        picked = choose_attention("auto", config, packing=True, caps=caps, precision=precision, **kw)
+        return picked.implementation, picked.packed_kernel
+
+    if kernel == "sdpa":
+        assert choice(gpu) == ("sdpa", "flash_varlen")
+        assert choice(gpu, "fp32") == ("sdpa", "flex")
+        assert choice(cpu) == ("sdpa", "sdpa")
+    else:
+        assert choice(gpu) == choice(cpu) == (kernel, None)
+        with pytest.raises(ConfigError, match=r"^data.packed_attention=varlen runs in place of sdpa attention, but the "
+                                              rf"model loads with {kernel} \(model.attn_implementation=auto\)"):
+            choice(gpu, packed_request="varlen")
+    assert choose_attention("auto", config, caps=gpu, precision="bf16").packed_kernel is None  # not packing
 
 
 def test_every_loader_honours_auto_and_an_impossible_kernel_says_so(tiny):
@@ -84,11 +97,11 @@ def test_packing_check_refuses_gpt_oss_and_passes_llama(tiny):
     assert packed_logit_gap(gpt_oss, 0) > 1e-2  # its masks ignore position_ids: the second example sees the first
     with pytest.raises(FtctlError, match=r"^GptOssForCausalLM mixes packed examples: .* train it with data.packing=false$"):
         check_packing(gpt_oss, 0, torch.float32)
-    assert gpt_oss.training is False or gpt_oss.training is True  # the check restores the mode it found
+    assert gpt_oss.training is False  # the check restores the mode it found: eval, as loaded...
     gpt_oss.train()
     with pytest.raises(FtctlError):
         check_packing(gpt_oss, 0, torch.float32)
-    assert gpt_oss.training
+    assert gpt_oss.training  # ...and training
 
 
 # --- fused RMSNorm and head loss, by capability ------------------------------------------------------------------

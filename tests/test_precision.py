@@ -12,12 +12,12 @@ import torch
 from ftctl.cli import main
 from ftctl.estimate import machine_precision
 from ftctl.precision.auto import CPU_BF16_ENV, auto_precision, cpu_flags, cpu_has_native_bf16
-from ftctl.preflight import gpu_visible
 from ftctl.precision.policy import resolve_precision_name
 
-pytestmark = pytest.mark.precision
+# auto means the GPU's precision on a machine with one: the CPU rule is tested on the CPU, a GPU host's GPU
+# hidden (tests/devices.py).
+pytestmark = [pytest.mark.precision, pytest.mark.usefixtures("on_cpu")]
 CPU = torch.device("cpu")
-on_a_cpu_machine = pytest.mark.skipif(gpu_visible(), reason="auto means the GPU's precision on a machine with one")
 
 
 @pytest.mark.parametrize("forced, expected", [("1", "bf16"), ("0", "fp32"), ("true", "bf16"), ("no", "fp32")])
@@ -26,8 +26,7 @@ def test_auto_follows_the_probe_on_each_kind_of_cpu(monkeypatch, forced, expecte
     assert cpu_has_native_bf16() == (expected == "bf16")
     assert resolve_precision_name("auto", CPU) == auto_precision("cpu") == expected
     assert resolve_precision_name("fp32", CPU) == "fp32" and resolve_precision_name("bf16", CPU) == "bf16"
-    if not gpu_visible():
-        assert machine_precision("auto") == expected  # the estimator's answer is training's
+    assert machine_precision("auto") == expected  # the estimator's answer is training's
 
 
 def test_gpus_get_bf16_or_fp16_whatever_the_cpu(monkeypatch):
@@ -62,7 +61,6 @@ def test_a_bad_override_is_one_line(monkeypatch, capsys, tmp_path):
     assert len(err.strip().splitlines()) == 1
 
 
-@on_a_cpu_machine
 def test_auto_trains_plans_and_estimates_in_what_the_probe_says(make_cfg, run_training, caplog, capsys, tmp_path):
     """Run under the environment's probe: forced to bf16 and to fp32 by `.ci/run`, the machine's own otherwise."""
     expected = "bf16" if cpu_has_native_bf16() else "fp32"

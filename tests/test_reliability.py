@@ -104,7 +104,7 @@ def test_sigterm_saves_a_checkpoint_and_says_how_to_resume(tiny_model_dir, tmp_p
     assert losses_by_step(out) == uninterrupted
 
 
-def test_incomplete_checkpoints_are_never_resumed_and_pruning_waits(make_cfg, run_training, tmp_path):
+def test_incomplete_checkpoints_are_never_resumed_and_pruning_waits(make_cfg, run_training, tmp_path, monkeypatch):
     result, _ = run_training(make_cfg("train.max_steps=9", "train.save_every=2", "train.keep_last=2"))
     ckpts = complete_checkpoints(result.run_dir)
     assert [p.name for p in ckpts] == ["step-8", "step-9"]  # and one of the last step, to extend the run from
@@ -118,7 +118,14 @@ def test_incomplete_checkpoints_are_never_resumed_and_pruning_waits(make_cfg, ru
     final = (result.final_dir / "adapter_model.safetensors").read_bytes()
     shutil.rmtree(result.final_dir)  # as a run killed while writing its last checkpoint
     shutil.rmtree(result.run_dir / "checkpoints" / "step-9")
+    from ftctl.training import runner
+
+    trained, train_step = [], runner.train_step
+    monkeypatch.setattr(runner, "train_step", lambda *a, **k: trained.append(1) or train_step(*a, **k))
     resumed, metrics = run_training(make_cfg("train.max_steps=9", "train.save_every=2", "train.keep_last=2", "resume=auto"))
+    # Only step 9 trained: the run went on from step-8. Starting over would give the same bytes (it is
+    # deterministic), so the steps it trained are what tells a resume from a restart.
+    assert len(trained) == 1
     assert [m["step"] for m in metrics if "loss" in m] == list(range(1, 10))  # step 9 appended once, after 1-8
     assert (resumed.final_dir / "adapter_model.safetensors").read_bytes() == final
 

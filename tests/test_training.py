@@ -134,7 +134,22 @@ def test_eval_split_logs_eval_loss_and_tensorboard(make_cfg, run_training):
     evals = [m for m in metrics if "eval_loss" in m]
     assert [m["step"] for m in evals] == [2, 4]
     assert result.last_eval_loss == pytest.approx(evals[-1]["eval_loss"], rel=1e-7)
-    assert list((result.run_dir / "tensorboard").glob("events.out.tfevents.*"))
+    # Read back through TensorBoard's own reader: every metrics line's numbers, at their steps.
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from ftctl.training.trackers import numeric_values
+
+    events = EventAccumulator(str(result.run_dir / "tensorboard"), size_guidance={"scalars": 0})
+    events.Reload()
+    logged = {tag: {e.step: e.value for e in events.Scalars(tag)} for tag in events.Tags()["scalars"]}
+    expected = {}
+    for line in metrics:
+        for tag, value in numeric_values(line).items():
+            expected.setdefault(tag, {})[line["step"]] = value
+    assert {"train/loss", "eval/eval_loss", "train/grad_norm", "train/lr"} <= set(expected)
+    assert set(logged) == set(expected)
+    for tag, by_step in expected.items():
+        assert logged[tag] == pytest.approx(by_step, rel=1e-6), tag  # TensorBoard keeps float32
 
 
 def test_a_metrics_line_covers_every_step_since_the_last(make_cfg, run_training, tmp_path):
@@ -148,18 +163,12 @@ def test_a_metrics_line_covers_every_step_since_the_last(make_cfg, run_training,
 
 
 def test_a_skipped_non_finite_step_does_not_void_the_window_mean():
+    from ftctl.training.interrupts import StepOutcome
     from ftctl.training.metrics import LogWindow
-
-    class OneRank:
-        @staticmethod
-        def all_reduce_sum(tensor):
-            return tensor
-
-    from types import SimpleNamespace
 
     window = LogWindow()
     for loss, tokens in ((2.0, 10), (float("nan"), 30), (4.0, 30)):
-        window.add([SimpleNamespace(real_tokens=tokens, positions=tokens)], loss, tokens, OneRank())
+        window.add(StepOutcome(loss, 1.0, False, tokens, real_tokens=tokens, positions=tokens))
     line = window.take()
     assert line["loss"] == pytest.approx((2.0 * 10 + 4.0 * 30) / 40) and line["trained_tokens"] == 70
 

@@ -30,8 +30,8 @@ class ModelConfig:
     revision: Optional[str] = option(None, "Hub revision (branch, tag or commit) to load.")
     trust_remote_code: bool = option(False, "Allow the model repo's own Python code to run. Off unless set.")
     attn_implementation: str = option(
-        "auto", "Attention kernel: auto (sdpa where the model class has it, else eager; flash-attention varlen for "
-        "packed runs on CUDA when installed), sdpa, eager, or flash_attention_2/3 on GPUs (needs flash-attn)."
+        "auto", "Attention kernel: auto (sdpa where the model class has it, else eager; packed runs then take "
+        "data.packed_attention's kernel in place of sdpa), sdpa, eager, or flash_attention_2/3 on GPUs (needs flash-attn)."
     )
 
 
@@ -148,8 +148,9 @@ class DataConfig:
     )
     packed_attention: str = option(
         "auto",
-        "Kernel of packed attention: auto (CUDA: flash_varlen if flash-attn is installed, else torch's varlen, "
-        "else flex; CPU: sdpa), flash_varlen, varlen, flex or sdpa (causal SDPA per example).",
+        "Kernel of packed attention on sdpa models: auto (CUDA: flash_varlen if flash-attn is installed, else "
+        "torch's varlen, else flex, the first that takes the precision: the varlen kernels take only bf16/fp16; "
+        "CPU: sdpa), flash_varlen, varlen, flex or sdpa (causal SDPA per example).",
     )
     shuffle: bool = option(True, "Shuffle examples every epoch (seeded).")
     cache_dir: Optional[str] = option(None, "Tokenized-data cache; default $FTCTL_HOME/data_cache.")

@@ -264,6 +264,30 @@ def pack_examples(examples: Sequence, row_len: int, pad_token_id: int, pad_to_mu
     )
 
 
+@dataclass
+class StepShare:
+    """One rank's part of a step: its micro-batches, and the trained tokens of the whole global batch.
+
+    Every rank knows the global batch from the step alone (:class:`StepSampler`), so it counts the
+    global batch's trained tokens itself, before the step: each micro-batch's loss is normalised by
+    them before its backward, with no collective to learn them.
+    """
+
+    micro_batches: List[MicroBatch]
+    global_trained_tokens: int
+
+    def pinned(self) -> "StepShare":
+        return replace(self, micro_batches=[batch.pinned() for batch in self.micro_batches])
+
+
+def trained_tokens_of(dataset, indices: Sequence[int]) -> int:
+    """The trained tokens of these examples as micro-batches count them (an example's first label never trains)."""
+    per_example = getattr(dataset, "trained_per_example", None)
+    if per_example is not None:
+        return int(per_example[np.asarray(indices, dtype=np.int64)].sum())
+    return sum(int((np.asarray(dataset[i][1])[1:] != IGNORE_INDEX).sum()) for i in indices)
+
+
 @dataclass(frozen=True)
 class Batching:
     """How a list of example indices becomes micro-batches: ``micro_batch_size`` examples each, padded or packed."""
@@ -277,6 +301,11 @@ class Batching:
     def from_config(cls, cfg, pad_token_id: int) -> "Batching":
         d = cfg.data
         return cls(cfg.train.micro_batch_size, pad_token_id, d.pad_to_multiple_of, d.max_seq_len if d.packing else 0)
+
+    def step_share(self, dataset, sampler: StepSampler, step: int, rank: int, world_size: int) -> StepShare:
+        """This rank's micro-batches of ``step`` and the trained tokens of the step's whole global batch."""
+        return StepShare(self(dataset, sampler.rank_share(step, rank, world_size)),
+                         trained_tokens_of(dataset, sampler.global_batch(step)))
 
     def __call__(self, dataset, indices: Sequence[int]) -> List[MicroBatch]:
         out = []

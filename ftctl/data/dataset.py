@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import inspect
 import itertools
@@ -58,6 +59,13 @@ class TokenizedDataset:
 
     def trained_tokens(self) -> int:
         return int((self.labels != -100).sum())
+
+    @functools.cached_property
+    def trained_per_example(self) -> np.ndarray:
+        """Each example's trained tokens as a micro-batch counts them: its labels after the first position."""
+        trained = np.concatenate([[0], np.cumsum(self.labels != -100)])
+        starts, ends = self.offsets[:-1], self.offsets[1:]
+        return trained[ends] - trained[np.minimum(starts + 1, ends)]
 
 
 def tokenizer_fingerprint(tokenizer) -> str:

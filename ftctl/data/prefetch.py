@@ -29,7 +29,7 @@ class StepBatches:
             for step in self._steps:
                 batches = self._build(step)
                 if self._pin:
-                    batches = [batch.pinned() for batch in batches]
+                    batches = batches.pinned() if hasattr(batches, "pinned") else [batch.pinned() for batch in batches]
                 if not self._put((step, batches, None)):
                     return
         except BaseException as exc:  # handed to the training loop, which raises it where it stands

@@ -10,11 +10,12 @@ from ftctl.config.schema import RunConfig
 from ftctl.methods.base import Method
 
 
-def create_method(cfg: RunConfig) -> Method:
+def create_method(cfg: RunConfig, attention=None) -> Method:
+    """``attention``: the run's :func:`ftctl.models.loading.attention_for_run`, which the model loads with."""
     if cfg.method.name == "full":
         from ftctl.methods.full import FullFineTuning
 
-        return FullFineTuning(cfg)
+        return FullFineTuning(cfg, attention)
     from ftctl.methods.adapters import AdapterMethod, QuantizedAdapterMethod
 
-    return QuantizedAdapterMethod(cfg) if cfg.method.name == "qlora" else AdapterMethod(cfg)
+    return QuantizedAdapterMethod(cfg, attention) if cfg.method.name == "qlora" else AdapterMethod(cfg, attention)

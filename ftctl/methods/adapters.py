@@ -70,14 +70,14 @@ def read_adapter_info(adapter_dir: Path) -> Optional[dict]:
 
 
 class AdapterMethod(Method):
-    def __init__(self, cfg):
-        super().__init__(cfg)
+    def __init__(self, cfg, attention=None):
+        super().__init__(cfg, attention)
         self.name = cfg.method.name
         self.use_dora = cfg.method.use_dora or cfg.method.name == "dora"
 
     def load_base(self, model_path, precision, device):
         # Frozen base weights may sit in the compute dtype; LoRA weights are created fp32 below.
-        base = load_causal_lm(self.cfg.model, model_path, dtype=precision.frozen_weight_dtype(), **self.load_context(device))
+        base = load_causal_lm(self.cfg.model, model_path, dtype=precision.frozen_weight_dtype(), attention=self.attention)
         return base.to(device)
 
     def base_info(self) -> dict:
@@ -180,7 +180,7 @@ class QuantizedAdapterMethod(AdapterMethod):
         from ftctl.methods.quantization import QuantSettings, load_4bit, prepare_for_kbit_training
 
         self.settings = QuantSettings.from_method(self.cfg.method, precision.compute_dtype)
-        base = load_4bit(self.cfg.model, model_path, self.settings, device, packing=self.cfg.data.packing)
+        base = load_4bit(self.cfg.model, model_path, self.settings, device, attention=self.attention)
         return prepare_for_kbit_training(base, self.cfg.train.gradient_checkpointing)
 
     def base_info(self):

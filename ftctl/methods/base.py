@@ -18,12 +18,10 @@ class Method:
     #: Tokens the run added to the tokenizer (data.add_special_tokens), which the model grows rows for and trains.
     new_token_ids: List[int] = []
 
-    def __init__(self, cfg: RunConfig):
+    def __init__(self, cfg: RunConfig, attention=None):
         self.cfg = cfg
-
-    def load_context(self, device: torch.device) -> Dict[str, object]:
-        """What ``load_causal_lm`` needs to choose the attention kernel for this run (model.attn_implementation=auto)."""
-        return {"device_type": torch.device(device).type, "packing": self.cfg.data.packing}
+        # The run's attention choice (ftctl.models.loading.attention_for_run); None: the model_cfg's own, unpacked.
+        self.attention = attention
 
     def build_model(self, model_path: str, precision: PrecisionPolicy, device: torch.device) -> torch.nn.Module:
         """Load the base and make it trainable the method's way: only the right parameters require grad."""

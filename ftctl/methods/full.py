@@ -14,7 +14,7 @@ class FullFineTuning(Method):
 
     def build_model(self, model_path, precision, device):
         # Trained weights are fp32 master copies whatever the compute precision.
-        model = load_causal_lm(self.cfg.model, model_path, dtype=torch.float32, **self.load_context(device))
+        model = load_causal_lm(self.cfg.model, model_path, dtype=torch.float32, attention=self.attention)
         self.grow_vocabulary(model)
         model.to(device)
         model.requires_grad_(True)

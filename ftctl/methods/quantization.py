@@ -62,14 +62,14 @@ def _require_bitsandbytes() -> None:
         raise FtctlError(f"method=qlora needs bitsandbytes (pip install bitsandbytes): {exc}") from None
 
 
-def load_4bit(model_cfg, model_path: str, settings: QuantSettings, device: torch.device, packing: bool = False):
+def load_4bit(model_cfg, model_path: str, settings: QuantSettings, device: torch.device, attention=None):
     """The base with every linear layer but the output head quantised to 4 bits, on ``device``."""
     _require_bitsandbytes()
     # Quantisation happens while the weights are placed, so they go straight to the training device.
     model = load_causal_lm(
         model_cfg, model_path, dtype=settings.torch_compute_dtype,
         quantization_config=settings.bnb_config(), device_map={"": str(device)},
-        device_type=torch.device(device).type, packing=packing,
+        attention=attention,
     )
     keep_one_weight_layout(model)
     return model

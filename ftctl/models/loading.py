@@ -7,7 +7,7 @@ import re
 from pathlib import Path
 from typing import Optional
 
-from ftctl.config.schema import ModelConfig
+from ftctl.config.schema import ModelConfig, RunConfig
 from ftctl.errors import FtctlError
 from ftctl.models.aliases import aliases, is_alias, resolve_alias
 
@@ -53,16 +53,39 @@ def load_tokenizer(model_cfg: ModelConfig, model_path: str):
     return tokenizer
 
 
+def load_model_config(model_cfg: ModelConfig, model_path: str):
+    """The model's transformers config (its config.json): what decides the attention before the weights load."""
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(model_path, revision=model_cfg.revision, trust_remote_code=model_cfg.trust_remote_code)
+    except (OSError, ValueError) as exc:
+        raise FtctlError(f"could not load the model from {model_path}: {str(exc).splitlines()[0]}") from None
+
+
+def attention_for_run(cfg: RunConfig, model_path: str, device_type: str, precision: str):
+    """The run's attention implementation and packed kernel, one decision (:mod:`ftctl.models.attention_choice`)."""
+    from ftctl.models.attention_choice import choose_attention
+    from ftctl.models.packed_attention import KernelCapabilities
+
+    return choose_attention(cfg.model.attn_implementation, load_model_config(cfg.model, model_path),
+                            packing=cfg.data.packing, packed_request=cfg.data.packed_attention,
+                            caps=KernelCapabilities.probe(device_type), precision=precision)
+
+
 def load_causal_lm(model_cfg: ModelConfig, model_path: str, *, dtype, quantization_config=None, device_map=None,
-                   device_type: str = "cpu", packing: bool = False):
-    """The model with ``model_cfg``'s settings; ``device_type`` and ``packing`` inform ``attn_implementation=auto``."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+                   attention=None):
+    """The model with ``model_cfg``'s settings; ``attention``: a training run's :func:`attention_for_run`."""
+    from transformers import AutoModelForCausalLM
 
     from ftctl.models.attention_choice import choose_attn_implementation
 
+    config = load_model_config(model_cfg, model_path)
+    if attention is not None:
+        kernel = attention.implementation
+    else:
+        kernel = choose_attn_implementation(model_cfg.attn_implementation, config)
     try:
-        config = AutoConfig.from_pretrained(model_path, revision=model_cfg.revision, trust_remote_code=model_cfg.trust_remote_code)
-        kernel = choose_attn_implementation(model_cfg.attn_implementation, config, device_type=device_type, packing=packing)
         return AutoModelForCausalLM.from_pretrained(
             model_path,
             config=config,

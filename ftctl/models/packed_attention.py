@@ -13,15 +13,17 @@ span lengths of each row as Python ints. No layer reads a device tensor back: on
 read stalls the queue once per layer.
 
 :func:`use_packed_attention` installs one attention function in place of ``sdpa``; which kernel it
-runs is chosen once, by capability, in :func:`choose_packed_kernel`:
+runs is chosen once, with the model's ``attn_implementation``, by capability and precision, in
+:func:`ftctl.models.attention_choice.choose_attention`:
 
-- ``flash_varlen``: flash-attn's ``flash_attn_varlen_func`` (when flash-attn is installed, CUDA);
-- ``varlen``: torch's own ``torch.nn.attention.varlen.varlen_attn`` (torch 2.10+, CUDA);
-- ``flex``: FlexAttention with a document mask built once per micro-batch (CUDA; forward-only on CPU);
+- ``flash_varlen``: flash-attn's ``flash_attn_varlen_func`` (when flash-attn is installed, CUDA; fp16/bf16);
+- ``varlen``: torch's own ``torch.nn.attention.varlen.varlen_attn`` (torch 2.10+, CUDA; fp16/bf16);
+- ``flex``: FlexAttention with a per-row document mask built once per micro-batch (CUDA; forward-only on CPU);
 - ``sdpa``: causal SDPA on each example's slice. On CUDA the cuDNN backend is excluded: it builds a
   new plan for every new sequence length, milliseconds of CPU per call. This is the CPU path.
 
 Batches without boundaries (padded batches, generation) take the plain ``sdpa`` path, mask included.
+:func:`record_packed_kernels` tells which kernels actually ran (the runner logs it).
 """
 
 from __future__ import annotations
@@ -36,19 +38,24 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 import torch.nn.functional as F
 
-from ftctl.config.schema import PACKED_ATTENTION_KERNELS
-from ftctl.errors import ConfigError
-
-#: The packed kernels, fastest first; ``auto`` picks the first the machine has.
-PACKED_KERNELS = tuple(k for k in PACKED_ATTENTION_KERNELS if k != "auto")
+#: The packed kernels, fastest first; ``auto`` picks the first that can run (see ftctl.models.attention_choice).
+PACKED_KERNELS = ("flash_varlen", "varlen", "flex", "sdpa")
+#: Kernels whose inputs must be fp16 or bf16.
+HALF_PRECISION_ONLY = frozenset({"flash_varlen", "varlen"})
+#: Kernels without attention dropout (flash-attn's and SDPA take theirs).
+NO_DROPOUT = frozenset({"varlen", "flex"})
+#: What each kernel needs of the machine.
+KERNEL_NEEDS = {"flash_varlen": "CUDA and flash-attn", "varlen": "CUDA and torch>=2.10",
+                "flex": "CUDA (FlexAttention has no CPU backward)", "sdpa": "nothing"}
 _PREFIX = "ftctl_packed_"
 PACKED_SDPA = _PREFIX + "sdpa"
 _registered = set()
+_recorders: List[set] = []
 
 
 @dataclass(frozen=True)
 class KernelCapabilities:
-    """What the machine offers for packed attention: the one input of :func:`choose_packed_kernel`."""
+    """What the machine offers for packed attention: an input of ``choose_attention``."""
 
     device_type: str
     flash_attn: bool  # the flash-attn package imports
@@ -60,7 +67,7 @@ class KernelCapabilities:
         return cls(
             device_type,
             flash_attn=importlib.util.find_spec("flash_attn") is not None,
-            torch_varlen=_torch_varlen() is not None,
+            torch_varlen=torch_varlen_attn() is not None,
             flex=_has_module("torch.nn.attention.flex_attention"),
         )
 
@@ -78,19 +85,21 @@ def _has_module(name: str) -> bool:
         return False
 
 
-def choose_packed_kernel(caps: KernelCapabilities, requested: str = "auto") -> str:
-    """The packed kernel to run: ``requested`` if it is not ``auto``, else the fastest the machine has.
+@contextlib.contextmanager
+def record_packed_kernels():
+    """Collects, into the set it yields, the packed kernels that run inside the block (compiled code is not seen)."""
+    ran: set = set()
+    _recorders.append(ran)
+    try:
+        yield ran
+    finally:
+        _recorders.remove(ran)
 
-    The CPU keeps per-example SDPA: it is what the CPU measurements were made with, and the CPU has
-    no varlen kernel.
-    """
-    if requested != "auto":
-        if not caps.available(requested):
-            needs = {"flash_varlen": "CUDA and flash-attn", "varlen": "CUDA and torch>=2.10",
-                     "flex": "CUDA (FlexAttention has no CPU backward)"}.get(requested, "a known kernel")
-            raise ConfigError(f"data.packed_attention={requested} needs {needs}; use auto or sdpa")
-        return requested
-    return next(kernel for kernel in PACKED_KERNELS if caps.available(kernel))
+
+def _ran(kernel: str) -> None:
+    if _recorders and not torch.compiler.is_compiling():
+        for ran in _recorders:
+            ran.add(kernel)
 
 
 def implementation_name(kernel: str) -> str:
@@ -112,14 +121,14 @@ def register_packed_attention(kernel: str = "sdpa") -> str:
     return name
 
 
-def use_packed_attention(model: torch.nn.Module, kernel: str = "sdpa") -> bool:
+def use_packed_attention(model: torch.nn.Module, kernel: Optional[str] = "sdpa") -> bool:
     """Switch a model loaded with ``sdpa`` attention to the packed attention of ``kernel``; returns whether it did.
 
-    Other implementations stay: flash-attention reads the same boundaries itself, and ``eager``
-    (chosen to see attention weights) keeps the block-diagonal mask.
+    Other implementations stay (``kernel`` None: the run chose none): flash-attention reads the same
+    boundaries itself, and ``eager`` keeps the block-diagonal mask.
     """
     config = getattr(model, "config", None)
-    if config is None or getattr(config, "_attn_implementation", None) != "sdpa":
+    if kernel is None or config is None or getattr(config, "_attn_implementation", None) != "sdpa":
         return False
     config._attn_implementation = register_packed_attention(kernel)
     return True
@@ -203,9 +212,13 @@ def packed_attention_forward(
     # Identity, not equality: comparing device tensors would read them back.
     if cu_seq_lens_k is not None and cu_seq_lens_k is not cu_seq_lens_q:
         raise ValueError("packed attention needs the same example boundaries for queries and keys")
-    if kernel != "sdpa" and dropout == 0.0 and max_length_q is not None:
-        run = {"flash_varlen": _flash_varlen, "varlen": _torch_varlen_attention, "flex": _flex_attention}[kernel]
+    if kernel != "sdpa" and max_length_q is not None and not (dropout and kernel in NO_DROPOUT):
+        _ran(kernel)
+        if kernel == "flash_varlen":
+            return _flash_varlen(query, key, value, cu_seq_lens_q, max_length_q, scaling, dropout), None
+        run = {"varlen": _torch_varlen_attention, "flex": _flex_attention}[kernel]
         return run(query, key, value, cu_seq_lens_q, max_length_q, scaling), None
+    _ran("sdpa")
     if packed_row_lengths is None:
         packed_row_lengths = _row_lengths_from(cu_seq_lens_q, query.shape[0], query.shape[2])
     return _per_example_sdpa(query, key, value, packed_row_lengths, dropout, scaling), None
@@ -244,16 +257,16 @@ def _unflat(out: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return out.reshape(like.shape[0], like.shape[2], like.shape[1], like.shape[3])
 
 
-def _flash_varlen(query, key, value, cu, longest, scaling):
+def _flash_varlen(query, key, value, cu, longest, scaling, dropout=0.0):
     from flash_attn import flash_attn_varlen_func
 
     out = flash_attn_varlen_func(_flat(query), _flat(key), _flat(value), cu, cu, longest, longest,
-                                 dropout_p=0.0, softmax_scale=scaling, causal=True)
+                                 dropout_p=dropout, softmax_scale=scaling, causal=True)
     return _unflat(out, query)
 
 
 @functools.lru_cache(maxsize=1)
-def _torch_varlen():
+def torch_varlen_attn():
     """torch's varlen_attn with its causal and GQA arguments for this torch version, or None."""
     try:
         from torch.nn.attention.varlen import varlen_attn
@@ -266,7 +279,7 @@ def _torch_varlen():
 
 
 def _torch_varlen_attention(query, key, value, cu, longest, scaling):
-    varlen_attn, causal, takes_gqa = _torch_varlen()
+    varlen_attn, causal, takes_gqa = torch_varlen_attn()
     extra = dict(causal)
     if query.shape[1] != key.shape[1]:
         if takes_gqa:
@@ -276,6 +289,51 @@ def _torch_varlen_attention(query, key, value, cu, longest, scaling):
             key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
     out = varlen_attn(_flat(query), _flat(key), _flat(value), cu, cu, longest, longest, scale=scaling, **extra)
     return _unflat(out, query)
+
+
+#: FlexAttention's block size: the mask is kept per (query block, key block) pair of a row.
+FLEX_BLOCK = 128
+
+
+def document_block_mask(cu: torch.Tensor, rows: int, length: int, block: int = FLEX_BLOCK):
+    """The causal document mask of packed rows as a FlexAttention ``BlockMask``, built from the boundaries.
+
+    Per row, not over all rows flattened into one sequence, and without evaluating the mask at every
+    (query, key) pair: each position's example id (rows × length ints) gives, per pair of blocks,
+    whether the blocks share an example (computed) and whether one example covers both whole
+    (computed without the mask). Memory: the ids plus rows × (length / block)² block entries, where
+    a dense mask would hold (rows × length)² booleans. Nothing is read back to the host.
+    """
+    from torch.nn.attention.flex_attention import BlockMask
+
+    device = cu.device
+    positions = torch.arange(rows * length, device=device, dtype=cu.dtype)
+    # An example never crosses a row (each row's padded tail is a span of its own), so ids of one row stay in it.
+    document = torch.searchsorted(cu[1:].contiguous(), positions, right=True).to(torch.int32).view(rows, length)
+    blocks = -(-length // block)
+    starts = torch.arange(blocks, device=device) * block
+    ends = (starts + block).clamp(max=length) - 1
+    first, last = document[:, starts], document[:, ends]  # ids are non-decreasing along a row
+    q, kv = torch.arange(blocks, device=device)[:, None], torch.arange(blocks, device=device)[None, :]
+    # Block kv (before block q) shares an example with block q when its last id is q's first.
+    touching = ((kv < q) & (last[:, None, :] == first[:, :, None])) | (kv == q)
+    # Whole blocks of one example: no position needs the mask. A block cut short by the row's end stays partial.
+    complete = ends - starts == block - 1
+    whole = (kv < q) & (first[:, None, :] == last[:, :, None]) & complete[None, :] & complete[:, None]
+    partial = touching & ~whole
+
+    def ordered(selected):  # the selected key blocks of every query block first, in order, as flex takes them
+        counts = selected.sum(-1, dtype=torch.int32)[:, None]
+        indices = torch.argsort(selected.to(torch.int8), dim=-1, descending=True, stable=True).to(torch.int32)[:, None]
+        return counts, indices
+
+    def same_document_causal(b, h, q_idx, kv_idx):
+        return (document[b, q_idx] == document[b, kv_idx]) & (q_idx >= kv_idx)
+
+    kv_num, kv_indices = ordered(partial)
+    full_num, full_indices = ordered(whole)
+    return BlockMask.from_kv_blocks(kv_num, kv_indices, full_num, full_indices, BLOCK_SIZE=block,
+                                    mask_mod=same_document_causal, seq_lengths=(length, length))
 
 
 class _DocumentMaskCache:
@@ -288,17 +346,9 @@ class _DocumentMaskCache:
     boundaries: Optional[torch.Tensor] = None
     block_mask = None
 
-    def get(self, cu: torch.Tensor, total: int):
+    def get(self, cu: torch.Tensor, rows: int, length: int):
         if self.boundaries is not cu:
-            from torch.nn.attention.flex_attention import create_block_mask
-
-            positions = torch.arange(total, device=cu.device, dtype=cu.dtype)
-            document = torch.searchsorted(cu[1:], positions, right=True)
-
-            def same_document_causal(b, h, q_idx, kv_idx):
-                return (document[q_idx] == document[kv_idx]) & (q_idx >= kv_idx)
-
-            self.block_mask = create_block_mask(same_document_causal, 1, None, total, total, device=cu.device)
+            self.block_mask = document_block_mask(cu, rows, length)
             self.boundaries = cu
         return self.block_mask
 
@@ -315,16 +365,10 @@ def _flex_kernel(device_type: str):
 
 
 def _flex_attention(query, key, value, cu, longest, scaling):
-    batch, heads, length, dim = query.shape
-    total = batch * length
-    mask = _document_masks.get(cu, total)
-
-    def one_row(t):  # all rows as one sequence: the document mask keeps the examples apart
-        return t.transpose(0, 1).reshape(1, t.shape[1], total, t.shape[3])
-
-    out = _flex_kernel(query.device.type)(one_row(query), one_row(key), one_row(value), block_mask=mask, scale=scaling,
+    mask = _document_masks.get(cu, query.shape[0], query.shape[2])
+    out = _flex_kernel(query.device.type)(query, key, value, block_mask=mask, scale=scaling,
                                           enable_gqa=query.shape[1] != key.shape[1])
-    return out.reshape(heads, batch, length, dim).permute(1, 2, 0, 3).contiguous()
+    return out.transpose(1, 2).contiguous()
 
 
 # The name earlier code and tests import; the sdpa kernel's function.

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Dict, Optional
+from typing import Callable, Dict, Optional, Tuple
 
 import torch
 
@@ -33,7 +34,12 @@ class Engine:
     def backward(self, loss: torch.Tensor) -> None:
         raise NotImplementedError
 
-    def step(self, max_grad_norm: float) -> StepResult:
+    def step(self, max_grad_norm: float, sync: Callable[[torch.Tensor, bool], Tuple[torch.Tensor, float]]) -> StepResult:
+        """Clip to ``max_grad_norm`` (when > 0) and apply the update unless the gradients are non-finite.
+
+        ``sync(local_grad_norm, sharded)`` is the step's one reduction across ranks; the engine calls it
+        once, when its gradients are final, and gets the global norm back as a device tensor and a number.
+        """
         raise NotImplementedError
 
     def set_lr(self, lr: float) -> None:
@@ -64,6 +70,8 @@ class Engine:
 class TorchEngine(Engine):
     """Plain torch optimisation with an optional GradScaler; DDP and FSDP wrap ``module`` differently."""
 
+    grads_sharded = False  # every rank holds every gradient (averaged); FSDP's engine holds shards
+
     def __init__(self, module, optimizer, precision: PrecisionPolicy, scaler=None, no_sync: Optional[Callable] = None):
         self.module, self.optimizer, self.precision, self.scaler = module, optimizer, precision, scaler
         self._no_sync = no_sync
@@ -76,31 +84,31 @@ class TorchEngine(Engine):
     def backward(self, loss):
         (self.scaler.scale(loss) if self.scaler else loss).backward()
 
-    def _params(self):
-        return [p for group in self.optimizer.param_groups for p in group["params"] if p.grad is not None]
+    def _grads(self):
+        """This rank's gradients: a sharded parameter's local shard (FSDP's DTensors), else the whole gradient."""
+        grads = [p.grad for group in self.optimizer.param_groups for p in group["params"] if p.grad is not None]
+        return [g.to_local() if hasattr(g, "to_local") else g for g in grads]
 
-    def step(self, max_grad_norm):
+    def step(self, max_grad_norm, sync):
         if self.scaler:
             self.scaler.unscale_(self.optimizer)
-        params = self._params()
-        if max_grad_norm > 0:
-            norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
-        else:
-            norm = torch.nn.utils.get_total_norm([p.grad for p in params]) if params else torch.zeros(())
-        norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
-        skipped = False
-        if self.scaler:
-            scale_before = self.scaler.get_scale()
-            self.scaler.step(self.optimizer)
-            self.scaler.update()
-            skipped = self.scaler.get_scale() < scale_before
-        elif torch.isfinite(norm):
+        grads = self._grads()
+        local = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
+        norm, grad_norm = sync(local, sharded=self.grads_sharded)
+        if max_grad_norm > 0 and grads:
+            # As torch's clip_grad_norm_, on the device: nothing is read back.
+            coefficient = (max_grad_norm / (norm + 1e-6)).clamp(max=1.0)
+            torch._foreach_mul_(grads, coefficient.to(grads[0].device))
+        # A NaN/inf update would destroy the weights; the runner decides whether to go on. An fp16 overflow is
+        # the same signal: the gradient norm is inf exactly when the scaler found an inf.
+        skipped = not math.isfinite(grad_norm)
+        if not skipped:
             self.optimizer.step()
-        else:
-            skipped = True  # a NaN/inf update would destroy the weights; the runner decides whether to go on
+        if self.scaler:
+            self.scaler.update()  # lowers the scale after an overflow, from the flags unscale_ left on the device
         self.optimizer.zero_grad(set_to_none=True)
         self.skipped_steps += skipped
-        return StepResult(float(norm), skipped)
+        return StepResult(grad_norm, skipped)
 
     def loss_scale(self):
         return self.scaler.get_scale() if self.scaler else None

@@ -111,14 +111,15 @@ class DeepSpeedZeroEngine(Engine):
     def backward(self, loss):
         self.ds.backward(loss, scale_wrt_gas=False)
 
-    def step(self, max_grad_norm):
-        # Clipping to max_grad_norm is part of the DeepSpeed config; DeepSpeed zeroes the gradients.
+    def step(self, max_grad_norm, sync):
+        # Clipping to max_grad_norm is part of the DeepSpeed config; DeepSpeed zeroes the gradients. Its norm is
+        # already global (and read back, as DeepSpeed's overflow checks are); the step's totals still reduce once.
         self.ds.step()
         norm = self.ds.get_global_grad_norm()
-        norm = float(norm) if norm is not None else float("nan")
+        _, grad_norm = sync(torch.as_tensor(norm if norm is not None else float("nan"), dtype=torch.float32), sharded=False)
         skipped = not self.ds.was_step_applied()
         self.skipped_steps += skipped
-        return StepResult(norm, skipped)
+        return StepResult(grad_norm, skipped)
 
     def loss_scale(self) -> Optional[float]:
         return float(self.optimizer.cur_scale) if self.fp16 else None

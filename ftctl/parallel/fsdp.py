@@ -38,6 +38,8 @@ def decoder_layers(model: torch.nn.Module) -> List[torch.nn.Module]:
 
 
 class FSDPEngine(TorchEngine):
+    grads_sharded = True
+
     def __init__(self, module, optimizer, precision, scaler, is_main: bool):
         super().__init__(module, optimizer, precision, scaler)
         self.is_main = is_main

@@ -8,8 +8,6 @@ import signal
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-import torch
-
 from ftctl.errors import FtctlError
 
 
@@ -41,7 +39,10 @@ class StepOutcome:
     loss: float  # mean token loss of the global batch
     grad_norm: float
     skipped: bool  # the engine applied no update
-    global_tokens: int
+    global_tokens: int  # trained tokens of the global batch
+    real_tokens: int = 0  # non-padding tokens of the global batch
+    positions: int = 0  # computed positions of the global batch, padding included
+    stop_requested: bool = False  # some rank got SIGTERM/SIGINT before the step's end
 
 
 class NonFiniteGuard:
@@ -68,7 +69,8 @@ class NonFiniteGuard:
 
 
 class StopRequest:
-    """Remembers a termination signal; every rank agrees on stopping through one all-reduce per step."""
+    """Remembers a termination signal; every rank agrees on stopping through the step's one reduction
+    (:mod:`ftctl.training.step_sync`), which asks :meth:`requested_here`."""
 
     def __init__(self):
         self.signal_name = None
@@ -92,6 +94,6 @@ class StopRequest:
             raise KeyboardInterrupt  # a second Ctrl-C stops at once
         self.signal_name = signal.Signals(signum).name
 
-    def requested(self, backend) -> bool:
-        flag = torch.tensor(1.0 if self.signal_name else 0.0)
-        return bool(backend.all_reduce_sum(flag) > 0)
+    def requested_here(self) -> bool:
+        """Whether this process got the signal (the other ranks may not have)."""
+        return self.signal_name is not None

@@ -80,29 +80,26 @@ class LogWindow:
     line reports them: the window's mean token loss, rates and waste shares."""
 
     def __init__(self, device=None):
-        import torch
-
-        self._torch = torch
         self.device = device
         self._reset()
 
     def _reset(self):
-        self.counts = self._torch.zeros(3, dtype=self._torch.float64)  # real, trained, computed positions
+        self.real = self.trained = self.positions = 0  # host numbers: the step's one reduction summed them
         self.loss_sum = self.loss_tokens = 0.0  # finite step losses weighted by their trained tokens
         self.start = time.perf_counter()
 
-    def add(self, batches, loss: float, global_tokens: int, backend) -> None:
-        real, positions = backend.all_reduce_sum(
-            self._torch.tensor([sum(b.real_tokens for b in batches), sum(b.positions for b in batches)], dtype=self._torch.float64)
-        ).tolist()
-        self.counts += self._torch.tensor([real, float(global_tokens), positions], dtype=self._torch.float64)
-        if math.isfinite(loss):  # a skipped non-finite step is reported on its own; it must not void the window's mean
-            self.loss_sum += loss * global_tokens
-            self.loss_tokens += global_tokens
+    def add(self, outcome) -> None:
+        """One step's :class:`ftctl.training.interrupts.StepOutcome` (its counts already summed over ranks)."""
+        self.real += outcome.real_tokens
+        self.trained += outcome.global_tokens
+        self.positions += outcome.positions
+        if math.isfinite(outcome.loss):  # a skipped non-finite step is reported on its own; it must not void the window's mean
+            self.loss_sum += outcome.loss * outcome.global_tokens
+            self.loss_tokens += outcome.global_tokens
 
     def take(self) -> dict:
         elapsed = max(time.perf_counter() - self.start, 1e-9)
-        real, trained, positions = self.counts.tolist()
+        real, trained, positions = self.real, self.trained, self.positions
         out = {
             "loss": self.loss_sum / self.loss_tokens if self.loss_tokens else float("nan"),
             "tokens_per_s": real / elapsed,

@@ -28,9 +28,9 @@ from ftctl.methods import create_method
 from ftctl.models.checkpointing import enable_activation_checkpointing
 from ftctl.models.kernels import use_kernels
 from ftctl.models.neftune import add_neftune_noise
-from ftctl.models.loading import load_tokenizer, resolve_model_path
+from ftctl.models.loading import attention_for_run, load_tokenizer, resolve_model_path
 from ftctl.models.compile import compile_decoder_layers
-from ftctl.models.packed_attention import KernelCapabilities, choose_packed_kernel, use_packed_attention
+from ftctl.models.packed_attention import use_packed_attention
 from ftctl.parallel.backends import create_backend
 from ftctl.precision.policy import resolve_precision
 from ftctl.training.checkpoint import save_checkpoint, save_result
@@ -45,6 +45,7 @@ from ftctl.training.plot import plot_after_run
 from ftctl.training.resume import flatten_keys, restore_training_state, resume_checkpoint
 from ftctl.training.run_dir import announce_run_dir
 from ftctl.training.schedule import learning_rate, total_steps
+from ftctl.training.step_sync import StepSync
 from ftctl.training.trackers import requested_trackers
 
 log = logging.getLogger("ftctl")
@@ -82,11 +83,11 @@ def _train(cfg: RunConfig, run_dir: Path, backend) -> TrainResult:
         torch.set_num_threads(t.num_threads)
     seed_everything(cfg.seed)
     precision = resolve_precision(cfg.precision, backend.device)
-    # Chosen before anything loads: a kernel this machine lacks is a message, not a wasted model load.
-    kernel = choose_packed_kernel(KernelCapabilities.probe(backend.device.type), cfg.data.packed_attention)
-    method = create_method(cfg)
-
     model_path = resolve_model_path(cfg.model.name_or_path)
+    # One decision before anything loads, from the model's config: the attention it loads with and the packed
+    # kernel; a kernel this machine or precision cannot run is a message, not a wasted model load.
+    attention = attention_for_run(cfg, model_path, backend.device.type, precision.name)
+    method = create_method(cfg, attention)
     tokenizer = load_tokenizer(cfg.model, model_path)
     # A named template's special tokens the tokenizer splits: a warning, or (data.add_special_tokens) new rows to train.
     method.new_token_ids = add_template_tokens(tokenizer, cfg.data.chat_template, cfg.data.add_special_tokens, say=backend.is_main)
@@ -103,9 +104,10 @@ def _train(cfg: RunConfig, run_dir: Path, backend) -> TrainResult:
         log.info(kernels_used)
     returns_head_output(model)  # probed now, before any wrapper: decides the fused head loss (ftctl.training.loss)
     if cfg.data.packing:
-        if use_packed_attention(model, kernel) and backend.is_main:
-            log.info("packed attention: %s kernel on %s", kernel, backend.device.type)
-        check_packing(model, tokenizer.pad_token_id, precision.compute_dtype)
+        use_packed_attention(model, attention.packed_kernel)
+        ran = check_packing(model, tokenizer.pad_token_id, precision.compute_dtype)
+        if backend.is_main:
+            log.info("packed attention: %s", attention.describe(ran))
     resume_from = resume_checkpoint(cfg, run_dir)
     if resume_from is not None:
         method.load_checkpoint_weights(model, resume_from)
@@ -155,19 +157,19 @@ def _train(cfg: RunConfig, run_dir: Path, backend) -> TrainResult:
     if backend.is_main:  # only now: a run that fails while loading leaves no run dir to announce
         announce_run_dir(run_dir)
 
-    def step_batches(step: int):
-        return make_batches(train_data, sampler.rank_share(step, backend.rank, backend.world_size))
+    def step_share(step: int):
+        return make_batches.step_share(train_data, sampler, step, backend.rank, backend.world_size)
 
     engine.module.train()
-    upcoming = StepBatches(step_batches, range(start_step, steps), pin_memory=backend.device.type == "cuda")
+    upcoming = StepBatches(step_share, range(start_step, steps), pin_memory=backend.device.type == "cuda")
     with StopRequest() as stop, upcoming:
         try:
-            for step, batches in upcoming:
+            for step, share in upcoming:
                 lr = learning_rate(step, t, steps)
                 engine.set_lr(lr)
-                outcome = train_step(engine, batches, backend, precision, t.max_grad_norm)
+                outcome = train_step(engine, share, backend, precision, t.max_grad_norm, stop.requested_here)
                 nonfinite.check(step + 1, outcome, keep_last_good=lambda: checkpoint(step) if step > 0 else None)
-                window.add(batches, outcome.loss, outcome.global_tokens, backend)
+                window.add(outcome)
                 done = step + 1
                 metrics.advance()
                 scores = evals.run(lambda data: evaluate(engine, data, make_batches, backend, precision)) if evals.due(done, steps) else None
@@ -185,7 +187,7 @@ def _train(cfg: RunConfig, run_dir: Path, backend) -> TrainResult:
                     checkpoint(done)
                 if stopping:
                     break
-                if stop.requested(backend):
+                if outcome.stop_requested:
                     raise TrainingInterrupted(
                         f"{stop.signal_name} at step {done}: checkpoint saved to {checkpoint(done)}; continue with "
                         f"the same command plus resume=auto (output_dir={run_dir})"
@@ -207,28 +209,34 @@ def _train(cfg: RunConfig, run_dir: Path, backend) -> TrainResult:
     return TrainResult(run_dir, final_dir, best.stopped_at or steps, outcome.loss, eval_loss, model)
 
 
-def train_step(engine, batches, backend, precision, max_grad_norm: float) -> StepOutcome:
+def train_step(engine, share, backend, precision, max_grad_norm: float, stop_requested=lambda: False) -> StepOutcome:
     """One optimizer step over this rank's micro-batches; the loss is the global batch's mean token loss.
 
     Nothing in the micro-batch loop reads a device value back (on a GPU each read stalls the queue):
-    the token counts are host numbers, and the loss sums up on the device until the step's end.
+    the token counts are host numbers and the loss sums up on the device. The step then reduces
+    once across ranks and reads once (:class:`ftctl.training.step_sync.StepSync`).
     """
     # Normalise by the trained tokens of the whole global batch, so the update does not depend on
-    # how the batch is split over micro-batches and ranks.
-    global_tokens = float(backend.all_reduce_sum(torch.tensor(float(sum(b.trained_tokens for b in batches)))))
+    # how the batch is split over micro-batches and ranks; every rank counted them before the step.
+    global_tokens = share.global_trained_tokens
     # Data-parallel backends average gradients over ranks; the world size undoes that.
     scale = backend.world_size / global_tokens if global_tokens else float("nan")
-    loss_sum = None
+    loss_sum = torch.zeros((), dtype=torch.float64, device=backend.device)
+    batches = share.micro_batches
     for i, batch in enumerate(batches):
         with engine.accumulating(last_micro_batch=i == len(batches) - 1):
             with precision.autocast():
                 micro_loss = token_loss_sum(engine.module, batch, backend.device)
             engine.backward(micro_loss * scale)
-        detached = micro_loss.detach().double()
-        loss_sum = detached if loss_sum is None else loss_sum + detached
-    result = engine.step(max_grad_norm)
-    loss = float(backend.all_reduce_sum(loss_sum)) / global_tokens if global_tokens else float("nan")
-    return StepOutcome(loss, result.grad_norm, result.skipped, int(global_tokens))
+        loss_sum += micro_loss.detach().double()
+    sync = StepSync(backend, loss_sum, batches, stop_requested)
+    result = engine.step(max_grad_norm, sync)
+    totals = sync.totals
+    if totals.trained_tokens != global_tokens:
+        raise RuntimeError(f"the ranks' micro-batches hold {totals.trained_tokens} trained tokens, the global batch {global_tokens}")
+    loss = totals.loss_sum / global_tokens if global_tokens else float("nan")
+    return StepOutcome(loss, result.grad_norm, result.skipped, global_tokens, totals.real_tokens, totals.positions,
+                       totals.stop_requested)
 
 
 @torch.no_grad()
