@@ -26,7 +26,7 @@ from ftctl.fs_faults import writing
 from ftctl.parallel.support import DEEPSPEED_CONFIG_FILE
 from ftctl.preflight import check_files
 from ftctl.training import run_lock
-from ftctl.training.checkpoint import STATE_FILE, checkpoints_dir, complete_checkpoints
+from ftctl.training.checkpoint import STATE_FILE, complete_checkpoints
 
 log = logging.getLogger("ftctl")
 
