@@ -105,7 +105,7 @@ def test_added_tokens_train_and_the_result_merges_exports_and_chats(tmp_path, ca
 
     tied = build_tiny_llama(tmp_path / "tied", tie_word_embeddings=True)
     common = ("data=sharegpt_sample", "data.chat_template=llama3", "train.max_steps=3", "train.save_every=1",
-              "train.lr=1e-2", "train.warmup_steps=0", "train.global_batch_size=4")
+              "train.keep_last=0", "train.lr=1e-2", "train.warmup_steps=0", "train.global_batch_size=4")
     result, _ = run_training(make_cfg(*common, "data.add_special_tokens=true", model_dir=tied))
     final = result.final_dir
     tokenizer = AutoTokenizer.from_pretrained(final)
