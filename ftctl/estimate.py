@@ -47,7 +47,7 @@ from ftctl.preflight import gpu_visible, visible_device_type
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 QUANT_BLOCK = 64  # bitsandbytes 4-bit block size
 DOUBLE_QUANT_BLOCK = 256  # blocks per second-level constant
-ADAM_8BIT_BLOCK = 2048
+ADAM_8BIT_BLOCK = 256  # bitsandbytes 0.4x-0.50 8-bit optimizer states: one fp32 absmax per 256 values
 #: Logit elements the chunked loss holds at once (ftctl.training.loss.CHUNK_ELEMENTS).
 LOSS_CHUNK_ELEMENTS = 1 << 23
 SHARDS = {  # which parts each backend divides by the world size

@@ -287,3 +287,23 @@ def test_moe_estimate_counts_experts_as_frozen_weights_and_adapts_attention():
     # QLoRA quantises linear layers only: the experts stay unquantised (at least 2 bytes each), not 4-bit.
     qlora = _estimate("recipe=qwen3_30b_a3b_lora", "precision=bf16", "method=qlora")
     assert qlora.weights_bytes > 2 * 29_000_000_000
+
+
+@pytest.mark.parametrize("optimizer", ["adamw_8bit", "lion_8bit"])
+def test_8bit_optimizer_state_bytes_are_what_bitsandbytes_allocates(optimizer):
+    """The estimate's bytes per parameter for 8-bit states equal bitsandbytes' own allocation after one step."""
+    import bitsandbytes as bnb
+    import torch
+
+    from ftctl.config.compose import compose_config
+    from ftctl.estimate import optimizer_state_bytes
+
+    weight = torch.nn.Parameter(torch.randn(64, 4096))
+    opt = (bnb.optim.AdamW8bit if optimizer == "adamw_8bit" else bnb.optim.Lion8bit)([weight], lr=1e-3)
+    weight.grad = torch.randn_like(weight)
+    opt.step()
+    allocated = sum(t.numel() * t.element_size() for t in opt.state[weight].values()
+                    if isinstance(t, torch.Tensor) and t.numel() > 1)  # the step counter is not a state tensor
+    cfg = compose_config(["recipe=tiny_lora", "precision=fp32", f"train.optimizer={optimizer}"])
+    per_parameter = optimizer_state_bytes(cfg.train, cfg.method, arch=None)
+    assert per_parameter * weight.numel() == pytest.approx(allocated, rel=0.01)
