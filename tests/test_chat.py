@@ -180,3 +180,30 @@ def test_chat_and_generate_arguments_are_checked(command, args, message, capsys)
     assert main([command, *args]) != 0
     err = capsys.readouterr().err
     assert message in err and err.startswith("ftctl: error:") and "Traceback" not in err
+
+
+def test_an_answer_ends_at_the_templates_end_of_turn_even_when_eos_differs(tiny_lm, monkeypatch):
+    """Generation stops at the chat template's end-of-turn marker (here <|im_end|> with EOS made another
+    token, as in Llama-3 models whose answers end in <|eot_id|>), not only at EOS: the text after it is cut."""
+    import copy
+
+    import torch
+
+    from ftctl.evaluation.generation import answer_stops, generate
+
+    model, tokenizer = tiny_lm[0], copy.deepcopy(tiny_lm[1])
+    end_of_turn = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    tokenizer.eos_token = "<pad>"
+    monkeypatch.setattr(model.generation_config, "eos_token_id", tokenizer.pad_token_id)
+    assert set(answer_stops(model, tokenizer)) == {tokenizer.pad_token_id, end_of_turn}
+    hello, more = tokenizer.encode("hello", add_special_tokens=False), tokenizer.encode(" more", add_special_tokens=False)
+    seen = {}
+
+    def scripted(input_ids, eos_token_id, **_):  # an answer that goes on past its end of turn
+        seen["stops"] = eos_token_id
+        tail = torch.tensor([hello + [end_of_turn] + more] * input_ids.shape[0])
+        return torch.cat([input_ids, tail], dim=1)
+
+    monkeypatch.setattr(model, "generate", scripted)
+    assert generate(model, tokenizer, [[{"role": "user", "content": "hi"}]]) == ["hello"]
+    assert end_of_turn in seen["stops"]

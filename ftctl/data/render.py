@@ -84,6 +84,23 @@ def _text(tokenizer, messages, add_generation_prompt: bool) -> str:
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
 
 
+def end_of_turn_ids(tokenizer) -> List[int]:
+    """The special tokens the chat template writes right after an assistant's answer (``<|im_end|>``,
+    ``<|eot_id|>``, ``<end_of_turn>``, EOS): where a generated answer ends. Empty when the template
+    does not render a probe conversation as prompt + answer."""
+    probe = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
+    try:
+        prompt, full = _ids(tokenizer, probe[:1], True), _ids(tokenizer, probe, False)
+    except Exception:  # a template that needs other roles or keys: no stops beyond EOS
+        return []
+    if full[:len(prompt)] != prompt:
+        return []
+    special = set(tokenizer.all_special_ids) | {i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
+    answer = full[len(prompt):]
+    first_text = next((k for k, token in enumerate(answer) if token not in special), len(answer))
+    return list(dict.fromkeys(token for token in answer[first_text:] if token in special))
+
+
 def trains(message: Dict[str, str], before: List[Dict[str, str]]) -> bool:
     """Whether a turn is an answer to train: an assistant turn after some prompt (a user or system turn),
     not marked ``train: False`` (a ShareGPT turn with weight 0). An assistant turn opening the

@@ -12,6 +12,7 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
+from ftctl.data.render import end_of_turn_ids
 from ftctl.progress import progress_bar
 
 Messages = List[Dict[str, str]]
@@ -34,6 +35,15 @@ def left_pad(rows: Sequence[Sequence[int]], pad_id: int):
             ids[i, width - len(row):] = torch.tensor(row, dtype=torch.long)
             mask[i, width - len(row):] = 1
     return ids, mask
+
+
+def answer_stops(model, tokenizer) -> List[int]:
+    """Where an answer ends: EOS, the model's own end tokens (its generation_config) and the chat template's
+    end-of-turn marker, so a model that writes ``<|eot_id|>`` without EOS after it stops there."""
+    configured = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    configured = configured if isinstance(configured, (list, tuple)) else [configured]
+    stops = [tokenizer.eos_token_id, *configured, *end_of_turn_ids(tokenizer)]
+    return list(dict.fromkeys(t for t in stops if t is not None))
 
 
 @contextmanager
@@ -65,14 +75,14 @@ def generate(
 
     Greedy when ``temperature`` is 0; otherwise sampled at that temperature from the ``top_p``
     nucleus, reproducibly for a given ``seed``. Conversations are batched by prompt length (less
-    padding); each completion stops at EOS (or any of ``stop_token_ids``) and is decoded without
+    padding); each completion stops at its end of turn (:func:`answer_stops`, or any of ``stop_token_ids``) and is decoded without
     special tokens. ``progress`` names a progress bar over the conversations (none when None).
     """
     if not messages_list:
         return []
     prompts = [prompt_ids(tokenizer, m) for m in messages_list]
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    stops = list(stop_token_ids) if stop_token_ids else [tokenizer.eos_token_id]
+    stops = list(stop_token_ids) if stop_token_ids else answer_stops(model, tokenizer)
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()
