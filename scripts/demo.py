@@ -86,17 +86,22 @@ def main() -> None:
     run_dir = Path(args.run_dir)
     if not run_dir.is_absolute():
         run_dir = ROOT / run_dir
-    if run_dir.exists():
-        shutil.rmtree(run_dir)  # the demo's own dir: every demo starts clean
+    # The base model's scores wait beside the run dir: ftctl trains only into a dir that is empty or
+    # its own run, so they move in once `ftctl train` has made runs/demo a run.
+    scored_early = run_dir.with_name(f".{run_dir.name}-eval-before")
+    for own in (run_dir, scored_early):
+        if own.exists():
+            shutil.rmtree(own)  # the demo's own dirs: every demo starts clean
     before, after = run_dir / "eval-before", run_dir / "eval-after"
     scoring = [f"recipe={RECIPE}", f"max_new_tokens={args.max_new_tokens}"] + ([f"n={args.n}"] if args.n else [])
     times = {}
     times["prepare"] = run(["models", "--prepare", MODEL], "1/4 the default model (converted from GGUF on first use)")
-    times["eval before"] = run(["eval", *scoring, f"output={before}"], "2/4 score the base model on held-out requests")
+    times["eval before"] = run(["eval", *scoring, f"output={scored_early}"], "2/4 score the base model on held-out requests")
     train_args = ["train", f"recipe={RECIPE}", f"output_dir={run_dir}", "overwrite=true"]
     if args.steps:
         train_args.append(f"train.max_steps={args.steps}")
     times["train"] = run(train_args, "3/4 fine-tune with LoRA")
+    scored_early.rename(before)
     times["eval after"] = run(["eval", *scoring, f"adapter={run_dir}", f"output={after}"], "4/4 score the fine-tuned model")
 
     plot = run_dir / "loss_curve.png"

@@ -281,3 +281,23 @@ def test_processes_resolving_an_unbuilt_alias_together_build_it_once(tmp_path, m
     for t in threads:
         t.join()
     assert len(builds) == 1 and results == [tmp_path / "models" / "test-slow"] * 3
+
+
+@pytest.mark.slow
+def test_make_demos_script_runs_end_to_end(alias_home, tmp_path):
+    """scripts/demo.py, every step the real CLI, on the tiny GGUF standing in for SmolLM2: the run dir's
+    safety rules must not refuse the dir the demo scores the base model into."""
+    import os
+    import subprocess
+    import sys
+
+    run_dir = tmp_path / "demo"
+    command = [sys.executable, str(Path(__file__).parents[1] / "scripts" / "demo.py"), "--run-dir", str(run_dir),
+               "--n", "2", "--steps", "2", "--max-new-tokens", "4"]
+    done = subprocess.run(command, check=False, capture_output=True, text=True, env=os.environ.copy(), timeout=600)
+    assert done.returncode == 0, f"{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    assert done.stdout.strip().splitlines()[-1].startswith("demo: json_match before=0.00 after=")
+    assert (run_dir / ".ftctl-run").is_file() and (run_dir / "final").is_dir()
+    for scored in ("eval-before", "eval-after"):
+        assert len((run_dir / scored / "predictions.jsonl").read_text().splitlines()) == 2
+    assert not any(p.name.endswith("-eval-before") for p in tmp_path.iterdir())
