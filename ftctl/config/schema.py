@@ -55,7 +55,7 @@ class MethodConfig:
 
 @dataclass
 class ParallelConfig:
-    name: str = option("single", "Backend: single, ddp, fsdp, zero1, zero2 or zero3.")
+    name: str = option("single", "Backend: single, ddp, fsdp, zero1, zero2, zero3, or mesh (tensor/pipeline/expert parallel with FSDP2).")
     nproc_per_node: int = option(1, "Worker processes per node.")
     nnodes: int = option(1, "Number of nodes.")
     node_rank: int = option(0, "This node's rank among nnodes.")
@@ -70,6 +70,23 @@ class ParallelConfig:
     zero3_persistence_threshold: int = option(
         100000, "ZeRO-3: parameters with fewer elements stay whole on every rank (saves gathers of small tensors); 0 partitions all."
     )
+    tp_size: int = option(
+        1, "mesh: tensor-parallel ranks; each layer's weight matrices are split column- and row-wise over them by the "
+        "model's own plan (transformers' base_model_tp_plan). Keep them within a node."
+    )
+    pp_size: int = option(1, "mesh: pipeline stages; the decoder layers are cut into this many consecutive stages.")
+    ep_size: int = option(
+        1, "mesh: expert-parallel ranks of MoE models, each holding 1/ep of the experts; taken out of dp_shard × tp "
+        "(a multiple of tp_size that divides dp_shard_size × tp_size)."
+    )
+    dp_shard_size: int = option(
+        -1, "mesh: data-parallel ranks that shard parameters, gradients and optimizer state (FSDP2); -1 = the rest of "
+        "the world size after pp × dp_replicate × tp."
+    )
+    dp_replicate_size: int = option(1, "mesh: data-parallel replicas (HSDP: each replica shards over dp_shard_size ranks).")
+    pp_schedule: str = option("1f1b", "mesh: pipeline schedule, gpipe, 1f1b or interleaved_1f1b (torch.distributed.pipelining).")
+    pp_microbatches: int = option(0, "mesh: micro-batches per pipeline step; 0 = the gradient accumulation steps.")
+    pp_stages_per_rank: int = option(2, "mesh, interleaved_1f1b: pipeline stages each pipeline rank runs (looped).")
 
 
 @dataclass
@@ -272,7 +289,7 @@ class RunConfig:
 
 
 METHODS = ("full", "lora", "qlora", "dora")
-PARALLEL_BACKENDS = ("single", "ddp", "fsdp", "zero1", "zero2", "zero3")
+PARALLEL_BACKENDS = ("single", "ddp", "fsdp", "zero1", "zero2", "zero3", "mesh")
 PRECISIONS = ("fp32", "bf16", "fp16", "auto")
 LR_SCHEDULERS = ("cosine", "linear", "constant", "cosine_restarts", "wsd")
 WSD_DECAY_SHAPES = ("linear", "cosine", "1-sqrt")

@@ -143,11 +143,15 @@ def validate(cfg: RunConfig, needs_data: bool = True) -> None:
     world = p.nproc_per_node * p.nnodes
     if p.name == "single" and world > 1:
         raise ConfigError(f"parallel=single runs one process, but nproc_per_node × nnodes = {world}; choose ddp, fsdp or zero1/2/3")
-    per_step = t.micro_batch_size * world
+    from ftctl.parallel.mesh_shape import data_parallel_size
+
+    data_ranks = data_parallel_size(cfg, world)
+    per_step = t.micro_batch_size * data_ranks
     if t.global_batch_size % per_step:
+        ranks = "world size" if data_ranks == world else "data-parallel ranks (dp_replicate × dp_shard)"
         raise ConfigError(
             f"train.global_batch_size={t.global_batch_size} must be a multiple of "
-            f"train.micro_batch_size × world size = {t.micro_batch_size} × {world} = {per_step}"
+            f"train.micro_batch_size × {ranks} = {t.micro_batch_size} × {data_ranks} = {per_step}"
         )
     _choice("parallel.dist_backend", p.dist_backend, ("auto", "gloo", "nccl"))
     if p.offload_optimizer not in (None, "cpu") or p.offload_params not in (None, "cpu"):
@@ -202,5 +206,10 @@ def _check_training_options(t) -> None:
 
 
 def gradient_accumulation_steps(cfg: RunConfig, world_size: int) -> int:
-    """global = micro × world × accumulation, so a batch's result does not depend on how it is split."""
-    return cfg.train.global_batch_size // (cfg.train.micro_batch_size * world_size)
+    """global = micro × data-parallel ranks × accumulation, so a batch's result does not depend on how it is split.
+
+    The data-parallel ranks are the world, except on a mesh, whose tensor- and pipeline-parallel ranks share their batch.
+    """
+    from ftctl.parallel.mesh_shape import data_parallel_size
+
+    return cfg.train.global_batch_size // (cfg.train.micro_batch_size * data_parallel_size(cfg, world_size))

@@ -11,8 +11,8 @@ share, and the dropout's 16-bit random numbers.
 
 The adapter weights, their names, saving, merging and every other peft behaviour stay peft's: the
 swap only replaces the forward of layers in the plain configuration (one active adapter, no DoRA,
-unmerged, a plain ``nn.Linear`` base) and falls back to peft's own forward whenever the layer is in
-any other state.
+unmerged, a plain ``nn.Linear`` base, weights not split by tensor parallelism) and falls back to
+peft's own forward whenever the layer is in any other state.
 """
 
 from __future__ import annotations
@@ -48,6 +48,10 @@ def _plain_adapter(layer, args, kwargs):
     if name not in layer.lora_A or name in getattr(layer, "lora_variant", {}) or layer.use_dora.get(name, False):
         return None
     if layer.lora_B[name].bias is not None:
+        return None
+    # Tensor-parallel shards (DTensors through the forward, unlike FSDP's, which are gathered by then) take peft's
+    # forward, whose sub-layers carry the split's input and output conversions.
+    if any(hasattr(w, "placements") for w in (layer.base_layer.weight, layer.lora_A[name].weight, layer.lora_B[name].weight)):
         return None
     return name
 

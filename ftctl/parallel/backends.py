@@ -28,6 +28,10 @@ def create_backend(cfg: RunConfig) -> Backend:
         from ftctl.parallel.fsdp import FSDPBackend
 
         return FSDPBackend(cfg)
+    if name == "mesh":
+        from ftctl.parallel.mesh import MeshBackend
+
+        return MeshBackend(cfg)
     if name in ("zero1", "zero2", "zero3"):
         from ftctl.parallel.deepspeed_zero import DeepSpeedZeroBackend
 

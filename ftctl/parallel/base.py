@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +34,30 @@ class Engine:
 
     def backward(self, loss: torch.Tensor) -> None:
         raise NotImplementedError
+
+    def forward_backward(self, batches, loss_of: Callable, scale: float, device: torch.device) -> torch.Tensor:
+        """Forward and backward of this rank's micro-batches of one step, gradients accumulating.
+
+        ``loss_of(module, batch)`` is a micro-batch's summed token loss; it is scaled by ``scale``
+        for backward. Returns the summed losses, detached, in float64 on the device (not read back).
+        A pipeline runs all micro-batches through its schedule instead of one at a time.
+        """
+        loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+        for i, batch in enumerate(batches):
+            with self.accumulating(last_micro_batch=i == len(batches) - 1):
+                micro_loss = loss_of(self.module, batch)
+                self.backward(micro_loss * scale)
+            loss_sum += micro_loss.detach().double()
+        return loss_sum
+
+    @torch.no_grad()
+    def eval_loss_sum(self, batches, loss_of: Callable) -> torch.Tensor:
+        """The summed token loss of ``batches`` without gradients, float64 on the device."""
+        total = None
+        for batch in batches:
+            loss = loss_of(self.module, batch).double()
+            total = loss if total is None else total + loss
+        return total
 
     def step(self, max_grad_norm: float, sync: Callable[[torch.Tensor, bool], Tuple[torch.Tensor, float]]) -> StepResult:
         """Clip to ``max_grad_norm`` (when > 0) and apply the update unless the gradients are non-finite.
@@ -143,9 +168,25 @@ class Backend:
         return self.rank == 0
 
     @property
+    def dp_rank(self) -> int:
+        """This rank's place among the ranks that each train on their own share of a batch."""
+        return self.rank
+
+    @property
+    def dp_size(self) -> int:
+        """Ranks that each train on their own share of a batch (tensor- and pipeline-parallel ranks share theirs)."""
+        return self.world_size
+
+    @property
     def build_device(self) -> torch.device:
         """Where the method should materialise the model before :meth:`prepare` takes it over."""
         return self.device
+
+    def parallelize(self, model: torch.nn.Module) -> torch.nn.Module:
+        """Apply train.gradient_checkpointing and train.compile; a mesh also splits the model here, in torchtitan's order."""
+        apply_checkpointing(model, self.cfg)
+        apply_compile(model, self.cfg, log_it=self.is_main)
+        return model
 
     def prepare(self, model: torch.nn.Module, make_optimizer: Callable, precision: PrecisionPolicy) -> Engine:
         raise NotImplementedError
@@ -164,3 +205,19 @@ def default_device(local_rank: int = 0) -> torch.device:
     if torch.cuda.is_available():
         return torch.device("cuda", local_rank)
     return torch.device("cpu")
+
+
+def apply_checkpointing(model: torch.nn.Module, cfg: RunConfig) -> None:
+    if cfg.train.gradient_checkpointing:
+        from ftctl.models.checkpointing import enable_activation_checkpointing
+
+        enable_activation_checkpointing(model, every=cfg.train.gradient_checkpointing_every)
+
+
+def apply_compile(model: torch.nn.Module, cfg: RunConfig, log_it: bool = True) -> None:
+    if cfg.train.compile:
+        from ftctl.models.compile import compile_decoder_layers
+
+        compiled = compile_decoder_layers(model)
+        if log_it:
+            logging.getLogger("ftctl").info("train.compile: %d decoder layers compiled one by one", compiled)

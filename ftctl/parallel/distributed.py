@@ -60,11 +60,15 @@ class DataParallelBackend(Backend):
         self.local_rank = process_place().local_rank
         self.device = default_device(self.local_rank)
         t = cfg.train
-        if t.global_batch_size % (t.micro_batch_size * self.world_size):
+        from ftctl.parallel.mesh_shape import data_parallel_size
+
+        data_ranks = data_parallel_size(cfg, self.world_size)
+        if t.global_batch_size % (t.micro_batch_size * data_ranks):
             self.close()
+            ranks = "world size" if data_ranks == self.world_size else "data-parallel ranks"
             raise ConfigError(
                 f"train.global_batch_size={t.global_batch_size} must be a multiple of train.micro_batch_size × "
-                f"world size = {t.micro_batch_size} × {self.world_size} (the launcher started {self.world_size} ranks)"
+                f"{ranks} = {t.micro_batch_size} × {data_ranks} (the launcher started {self.world_size} ranks)"
             )
 
     def all_reduce_sum(self, value):

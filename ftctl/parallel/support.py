@@ -18,7 +18,7 @@ SHARDED = ("fsdp", "zero3")  # backends that partition the parameters themselves
 
 #: The dir each sharding backend keeps its own state in inside an ftctl checkpoint dir (weights'
 #: shards and optimizer state); single and ddp write optimizer.rank<N>.pt files instead.
-CHECKPOINT_STATE_DIRS = {"fsdp": "fsdp_state", **{stage: "deepspeed" for stage in ZERO_STAGES}}
+CHECKPOINT_STATE_DIRS = {"fsdp": "fsdp_state", "mesh": "mesh_state", **{stage: "deepspeed" for stage in ZERO_STAGES}}
 #: The DeepSpeed config a ZeRO run writes into its run dir.
 DEEPSPEED_CONFIG_FILE = "deepspeed_config.json"
 
@@ -51,9 +51,64 @@ FSDP_REFUSED_OPTIMIZERS = {
 }
 
 
+#: Axes only a mesh has: set on another backend they are refused, never ignored.
+MESH_AXES = ("tp_size", "pp_size", "ep_size")
+
+
+def mesh_refusal(cfg) -> Optional[str]:
+    """Why these mesh sizes cannot run (on any backend), or None."""
+    from ftctl.parallel.mesh_shape import PP_SCHEDULES, mesh_shape
+
+    p, m = cfg.parallel, cfg.method
+    axes = {key: getattr(p, key) for key in MESH_AXES if getattr(p, key) != 1}
+    if p.name != "mesh":
+        if not axes and p.dp_shard_size == -1 and p.dp_replicate_size == 1:
+            return None
+        key, size = next(iter(axes.items())) if axes else ("dp_shard_size", p.dp_shard_size)
+        setting = f"parallel={p.name} with parallel.{key}={size}"
+        if p.name in ZERO_STAGES and p.pp_size > 1:
+            return (f"{setting}: DeepSpeed ZeRO does not run pipeline stages; use parallel=mesh (recipes parallel=pp, 3d), "
+                    "which shards the data-parallel axis with FSDP2")
+        if p.name == "ddp" and p.tp_size > 1:
+            return (f"{setting}: plain DDP replicates whole modules and cannot hold tensor-parallel shards; use "
+                    "parallel=mesh (recipes parallel=tp, fsdp_tp), which runs the data-parallel axis with FSDP2")
+        return f"{setting}: mesh axes need parallel=mesh (recipes parallel=tp, pp, fsdp_tp, 3d)"
+    if p.pp_schedule not in PP_SCHEDULES:
+        return f"parallel.pp_schedule='{p.pp_schedule}' is not one of {', '.join(PP_SCHEDULES)}"
+    if p.pp_microbatches < 0 or p.pp_stages_per_rank < 1:
+        return "parallel.pp_microbatches must be >= 0 and parallel.pp_stages_per_rank >= 1"
+    try:
+        shape = mesh_shape(p, p.nproc_per_node * p.nnodes)
+    except ValueError as exc:
+        return str(exc)
+    if p.offload_params or p.offload_optimizer:
+        return "parallel=mesh does not offload to the CPU; use parallel=fsdp with parallel.offload_params=cpu, or zero3"
+    if cfg.precision.name == "fp16":
+        return ("parallel=mesh precision=fp16: the loss scaler does not run over tensor- and pipeline-parallel shards; "
+                "use precision=bf16 (or fp16 with parallel=fsdp)")
+    if m.name == "qlora" and (shape.tp > 1 or shape.ep > 1):
+        return (f"method=qlora with parallel.{'tp' if shape.tp > 1 else 'ep'}_size>1: bitsandbytes' 4-bit weights cannot be "
+                "split into tensor- or expert-parallel shards; use method=lora (or QLoRA with pp_size and FSDP2 only)")
+    if m.name != "full" and shape.ep > 1 and list(m.target_modules) == ["all-linear"] and not (m.use_dora or m.name == "dora"):
+        return ("parallel.ep_size>1 with method.target_modules=[all-linear]: all-linear reaches the fused expert weights, "
+                "whose LoRA peft does not shard by expert; name linear layers (e.g. [q_proj,k_proj,v_proj,o_proj]) or use method=full")
+    if shape.pp > 1:
+        if cfg.data.packing:
+            return ("data.packing=true with parallel.pp_size>1: pipeline stages pass fixed-shape activations, so micro-batches "
+                    "are padded to data.max_seq_len; set data.packing=false")
+        if shape.ep > 1:
+            return "parallel.ep_size>1 with parallel.pp_size>1: transformers' expert dispatch does not run inside pipeline stages yet"
+        if p.pp_schedule == "interleaved_1f1b" and p.pp_stages_per_rank < 2:
+            return "parallel.pp_schedule=interleaved_1f1b needs parallel.pp_stages_per_rank >= 2 (1 is plain 1f1b)"
+    return None
+
+
 def config_refusal(cfg) -> Optional[str]:
     """A reason this config cannot run anywhere, or None."""
     p, m = cfg.parallel, cfg.method
+    reason = mesh_refusal(cfg)
+    if reason:
+        return reason
     if p.rdzv_backend not in ("static", "c10d"):
         return f"parallel.rdzv_backend='{p.rdzv_backend}' is not one of static, c10d"
     if p.zero3_persistence_threshold < 0:

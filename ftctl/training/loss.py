@@ -61,6 +61,22 @@ def token_loss_sum(module: torch.nn.Module, batch, device: torch.device) -> torc
         return module(**inputs, use_cache=False).logits
 
 
+def loss_sum_for_targets(module: torch.nn.Module, inputs: dict, targets: torch.Tensor) -> torch.Tensor:
+    """Summed cross-entropy of ``module(**inputs)`` against next-token ``targets`` (IGNORE_INDEX where nothing trains).
+
+    For callers that hold the targets as a tensor on the device (a pipeline's last stage) rather than a batch.
+    """
+    head = head_for_loss(module)
+    if head is None:
+        logits = module(**inputs).logits
+        return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1),
+                               ignore_index=IGNORE_INDEX, reduction="sum")
+    flat = targets.reshape(-1)
+    positions = (flat != IGNORE_INDEX).nonzero().squeeze(1)
+    with _head_computes_loss(head, positions, flat[positions]):
+        return module(**inputs).logits
+
+
 def _to_device(host: torch.Tensor, device) -> torch.Tensor:
     """An asynchronous copy to a GPU (from page-locked memory); the tensor itself elsewhere."""
     device = torch.device(device)
@@ -84,6 +100,9 @@ def head_for_loss(module: torch.nn.Module) -> Optional[torch.nn.Linear]:
         return None
     if not head.weight.dtype.is_floating_point:
         return None
+    mesh = getattr(head.weight, "device_mesh", None)
+    if mesh is not None and "tp" in (mesh.mesh_dim_names or ()):
+        return None  # split over the vocabulary by tensor parallelism: its rows are not all here
     return head if returns_head_output(inner) else None
 
 

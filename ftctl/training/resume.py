@@ -121,7 +121,8 @@ def check_resumable_by(ckpt: Path, cfg: RunConfig) -> None:
         same = written_by == parallel or {written_by, parallel} <= SAME_LAYOUT
     else:  # a checkpoint from before the backend was recorded: tell it by its layout
         found = next((d for d in sorted(set(CHECKPOINT_STATE_DIRS.values())) if (ckpt / d).is_dir()), None)
-        written_by = {None: "single or ddp", CHECKPOINT_STATE_DIRS["fsdp"]: "fsdp", CHECKPOINT_STATE_DIRS["zero1"]: "zero1/2/3"}[found]
+        written_by = {None: "single or ddp", CHECKPOINT_STATE_DIRS["fsdp"]: "fsdp", CHECKPOINT_STATE_DIRS["zero1"]: "zero1/2/3",
+                      CHECKPOINT_STATE_DIRS["mesh"]: "mesh"}[found]
         same = found == CHECKPOINT_STATE_DIRS.get(parallel)
     if not same:
         raise FtctlError(f"{ckpt} was written by parallel={written_by} and this run has parallel={parallel}; "

@@ -25,11 +25,9 @@ from ftctl.errors import FtctlError
 from ftctl.data.prefetch import StepBatches
 from ftctl.data.template_tokens import add_template_tokens
 from ftctl.methods import create_method
-from ftctl.models.checkpointing import enable_activation_checkpointing
 from ftctl.models.kernels import use_kernels
 from ftctl.models.neftune import add_neftune_noise
 from ftctl.models.loading import attention_for_run, load_tokenizer, resolve_model_path
-from ftctl.models.compile import compile_decoder_layers
 from ftctl.models.packed_attention import use_packed_attention
 from ftctl.parallel.backends import create_backend
 from ftctl.precision.policy import resolve_precision
@@ -115,13 +113,8 @@ def _train(cfg: RunConfig, run_dir: Path, backend) -> TrainResult:
     best.restore(resume_from)
     if t.neftune_alpha:
         add_neftune_noise(model, t.neftune_alpha)
-    if t.gradient_checkpointing:
-        enable_activation_checkpointing(model, every=t.gradient_checkpointing_every)
-    if t.compile:
-        compiled = compile_decoder_layers(model)
-        if backend.is_main:
-            log.info("train.compile: %d decoder layers compiled one by one", compiled)
     counts = method.count_parameters(model)
+    model = backend.parallelize(model)  # checkpointing and compile; a mesh's splits too, in their one order
     engine = backend.prepare(model, lambda m: build_optimizer(m, cfg, backend.device), precision)
     start_step = restore_training_state(resume_from, engine, backend) if resume_from is not None else 0
     if start_step >= steps:
@@ -132,7 +125,7 @@ def _train(cfg: RunConfig, run_dir: Path, backend) -> TrainResult:
         log.info(
             "method=%s parallel=%s×%d precision=%s | trainable %s of %s params | global batch %d = %d micro × %d ranks × %d accumulation",
             method.name, cfg.parallel.name, backend.world_size, precision.name, f"{counts['trainable']:,}",
-            f"{counts['total']:,}", t.global_batch_size, t.micro_batch_size, backend.world_size, accumulation,
+            f"{counts['total']:,}", t.global_batch_size, t.micro_batch_size, backend.dp_size, accumulation,
         )
 
     sampler = sampler_for(train_data, t.global_batch_size, cfg.seed, cfg.data.shuffle)
@@ -158,7 +151,7 @@ def _train(cfg: RunConfig, run_dir: Path, backend) -> TrainResult:
         announce_run_dir(run_dir)
 
     def step_share(step: int):
-        return make_batches.step_share(train_data, sampler, step, backend.rank, backend.world_size)
+        return make_batches.step_share(train_data, sampler, step, backend.dp_rank, backend.dp_size)
 
     engine.module.train()
     upcoming = StepBatches(step_share, range(start_step, steps), pin_memory=backend.device.type == "cuda")
@@ -219,16 +212,10 @@ def train_step(engine, share, backend, precision, max_grad_norm: float, stop_req
     # Normalise by the trained tokens of the whole global batch, so the update does not depend on
     # how the batch is split over micro-batches and ranks; every rank counted them before the step.
     global_tokens = share.global_trained_tokens
-    # Data-parallel backends average gradients over ranks; the world size undoes that.
-    scale = backend.world_size / global_tokens if global_tokens else float("nan")
-    loss_sum = torch.zeros((), dtype=torch.float64, device=backend.device)
+    # Data-parallel backends average gradients over their data-parallel ranks; their number undoes that.
+    scale = backend.dp_size / global_tokens if global_tokens else float("nan")
     batches = share.micro_batches
-    for i, batch in enumerate(batches):
-        with engine.accumulating(last_micro_batch=i == len(batches) - 1):
-            with precision.autocast():
-                micro_loss = token_loss_sum(engine.module, batch, backend.device)
-            engine.backward(micro_loss * scale)
-        loss_sum += micro_loss.detach().double()
+    loss_sum = engine.forward_backward(batches, micro_batch_loss(precision, backend.device), scale, backend.device)
     sync = StepSync(backend, loss_sum, batches, stop_requested)
     result = engine.step(max_grad_norm, sync)
     totals = sync.totals
@@ -237,6 +224,16 @@ def train_step(engine, share, backend, precision, max_grad_norm: float, stop_req
     loss = totals.loss_sum / global_tokens if global_tokens else float("nan")
     return StepOutcome(loss, result.grad_norm, result.skipped, global_tokens, totals.real_tokens, totals.positions,
                        totals.stop_requested)
+
+
+def micro_batch_loss(precision, device):
+    """One micro-batch's summed token loss under the run's autocast: what engines call per micro-batch."""
+
+    def loss_of(module, batch):
+        with precision.autocast():
+            return token_loss_sum(module, batch, device)
+
+    return loss_of
 
 
 @torch.no_grad()
@@ -248,13 +245,12 @@ def evaluate(engine, eval_data, make_batches, backend, precision) -> float:
 
 def _evaluate(engine, eval_data, make_batches, backend, precision) -> float:
     engine.module.eval()
-    indices = list(range(backend.rank, len(eval_data), backend.world_size))
+    indices = list(range(backend.dp_rank, len(eval_data), backend.dp_size))
+    batches = make_batches(eval_data, indices)
     total = torch.zeros((), dtype=torch.float64, device=backend.device)  # summed on the device: no read per batch
-    tokens = torch.zeros((), dtype=torch.float64)
-    for batch in make_batches(eval_data, indices):
-        with precision.autocast():
-            total += token_loss_sum(engine.module, batch, backend.device).double()
-        tokens += batch.trained_tokens
+    if batches:
+        total += engine.eval_loss_sum(batches, micro_batch_loss(precision, backend.device))
+    tokens = torch.tensor(float(sum(batch.trained_tokens for batch in batches)), dtype=torch.float64)
     total = total.cpu()
     engine.module.train()
     return float(backend.all_reduce_sum(total) / backend.all_reduce_sum(tokens).clamp(min=1))
