@@ -268,11 +268,16 @@ class MeshEngine(Engine):
         import torch.distributed as dist
         from torch.distributed.tensor import DTensor
 
-        trained = {name for name, p in self.model.named_parameters(remove_duplicate=False) if p.requires_grad}
-        params = {name for name, _ in self.model.named_parameters(remove_duplicate=False)}
+        # Read off the modules rather than state_dict(): parts another stage holds are meta tensors, which a
+        # quantised layer's state_dict hook cannot handle, and what is frozen never needs gathering.
+        kept = [(name, p) for name, p in self.model.named_parameters(remove_duplicate=False) if p.requires_grad]
+        for module_name, module in self.model.named_modules():
+            for name, buffer in module._buffers.items():
+                if buffer is not None and name not in module._non_persistent_buffers_set:
+                    kept.append((f"{module_name}.{name}" if module_name else name, buffer))
         local = {}
-        for name, tensor in self.model.state_dict().items():
-            if (name in params and name not in trained) or tensor.is_meta:
+        for name, tensor in kept:
+            if tensor.is_meta:
                 continue
             full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
             local[name] = full.detach().cpu()
@@ -293,7 +298,9 @@ class MeshEngine(Engine):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
         model_state, optim_state = get_state_dict(self.module, self.optimizer, options=StateDictOptions(ignore_frozen_params=True))
-        return {"model": model_state, "optimizer": optim_state}
+        # Under one key per pipeline rank: DCP keeps one copy of equal keys, and the optimizer's param groups
+        # (the names of the parameters in each) differ from stage to stage.
+        return {f"pp{self.backend.coords['pp']}": {"model": model_state, "optimizer": optim_state}}
 
     def save_training_state(self, ckpt_dir, rank):
         import torch.distributed.checkpoint as dcp
@@ -306,7 +313,8 @@ class MeshEngine(Engine):
 
         state = self._sharded_state()
         dcp.load(state, checkpoint_id=str(Path(ckpt_dir) / STATE_DIR))
-        set_state_dict(self.module, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
+        (mine,) = state.values()
+        set_state_dict(self.module, self.optimizer, model_state_dict=mine["model"], optim_state_dict=mine["optimizer"],
                        options=StateDictOptions(ignore_frozen_params=True, strict=False))
 
 

@@ -113,11 +113,26 @@ def cut_stages(model: torch.nn.Module, pp_rank: int, pp_size: int, per_rank: int
         held.update(id(p) for p in stage.parameters())
     for i, layer in enumerate(layers):
         if i not in owned_layers:
-            layer.to("meta")
+            release(layer)
     for module in (embeddings, decoder.norm, head):
         if module is not None and not any(id(p) in held for p in module.parameters()):
-            module.to("meta")
+            release(module)
     return stages
+
+
+def release(module: torch.nn.Module) -> None:
+    """Replace ``module``'s tensors by meta tensors of the same names, shapes and requires_grad (frees their memory).
+
+    Parameter by parameter rather than ``module.to("meta")``: bitsandbytes' 4-bit parameters cannot be moved there.
+    """
+    for sub in module.modules():
+        for name, param in list(sub._parameters.items()):
+            if param is not None:
+                meta = torch.empty(param.shape, dtype=param.dtype, device="meta")
+                sub._parameters[name] = torch.nn.Parameter(meta, requires_grad=param.requires_grad)
+        for name, buffer in list(sub._buffers.items()):
+            if buffer is not None:
+                sub._buffers[name] = torch.empty(buffer.shape, dtype=buffer.dtype, device="meta")
 
 
 def pad_to(t: torch.Tensor, rows: int, width: int, value) -> torch.Tensor:
