@@ -54,6 +54,8 @@ def cmd_train(args) -> int:
         return 0
     from ftctl.preflight import check_files, check_launch, visible_device_type
 
+    from ftctl.estimate import mesh_model_refusal
+
     if args.dry_run:  # the plan, and the checks a real run on this machine makes before it starts
         from ftctl.plan import describe_run
 
@@ -61,9 +63,11 @@ def cmd_train(args) -> int:
         # After the plan, which may be meant for another machine: what a run here would refuse.
         check_files(cfg, check_hub=False)
         check_launch(cfg, args.overrides, visible_device_type())
+        _refuse(mesh_model_refusal(cfg))
         return 0
     check_files(cfg)  # before torch loads: a wrong path or an unreachable hub is a message within seconds
     check_launch(cfg, args.overrides)  # before anything is written or started
+    _refuse(mesh_model_refusal(cfg))
     from ftctl.launch import launch_workers, world_size
     from ftctl.parallel.place import inside_launcher
     from ftctl.training.run_dir import prepare_run_dir
@@ -96,6 +100,13 @@ def cmd_train(args) -> int:
         finish_run_dir(run_dir)
     print(done_line(result))
     return 0
+
+
+def _refuse(reason: Optional[str]) -> None:
+    if reason:
+        from ftctl.errors import ConfigError
+
+        raise ConfigError(reason)
 
 
 #: The keys most runs set, listed by `ftctl train --help` with their schema help (config-docs has them all).

@@ -129,6 +129,11 @@ class MemoryEstimate:
     offloaded_bytes: int  # moved to CPU memory; not in the device total
     total_bytes: int
     notes: List[str] = field(default_factory=list)
+    # parallel=mesh: the mesh, each pipeline rank's layers and total, and the pipeline's idle share.
+    mesh: str = ""
+    stages: List[str] = field(default_factory=list)
+    stage_totals_bytes: List[int] = field(default_factory=list)
+    bubble_ratio: float = 0.0
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -136,6 +141,8 @@ class MemoryEstimate:
 
 def estimate_memory(cfg: RunConfig, model_config: dict, source: str = "config") -> MemoryEstimate:
     arch = Architecture.from_config(model_config, source)
+    if cfg.parallel.name == "mesh":
+        return estimate_mesh_memory(cfg, arch, source)
     m, p, t = cfg.method, cfg.parallel, cfg.train
     world = p.nproc_per_node * p.nnodes
     precision = machine_precision(cfg.precision.name)
@@ -329,6 +336,135 @@ def _small_parameter_bytes(arch: Architecture, cfg: RunConfig, weight_bytes, ada
     return float(sum(n * b for n, b in sizes if n < threshold))
 
 
+# ------------------------------------------------------------------------------------- device meshes
+
+#: Linear layers the model's tensor-parallel plan splits row-wise (by input); the others split by output.
+ROW_SPLIT = ("o_proj", "down_proj")
+
+
+def estimate_mesh_memory(cfg: RunConfig, arch: Architecture, source: str) -> MemoryEstimate:
+    """Per-rank memory of a ``parallel=mesh`` run: the largest of its pipeline ranks, each worked out part by part.
+
+    A rank holds its stages' layers (plus the embeddings on the first stage, the final norm and head
+    on the last), every linear weight and the embeddings and head split 1/tp by the model's plan
+    (norms whole), experts split over dp_shard × tp (ep ranks, FSDP over the rest), and LoRA's
+    factors as peft splits them (lora_B of a column split, lora_A of a row split). FSDP2 then divides
+    weights, gradients and optimizer state by dp_shard (HSDP replicas hold copies). Activations are a
+    layer's per micro-batch (TP splits the matmul outputs, not the residual stream) times the stage's
+    layers times the micro-batches the schedule keeps in flight; a head split by TP materialises the
+    full logits.
+    """
+    from ftctl.parallel.mesh_shape import (
+        bubble_ratio, describe_stages, in_flight_microbatches, mesh_shape, microbatches, stage_summary, stages_per_rank,
+    )
+
+    m, p, t = cfg.method, cfg.parallel, cfg.train
+    world = p.nproc_per_node * p.nnodes
+    try:
+        shape = mesh_shape(p, world)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    precision = machine_precision(cfg.precision.name)
+    notes: List[str] = []
+    if cfg.precision.name == "auto":
+        notes.append(f"precision=auto is {precision} on this machine; set precision=bf16 to plan for a GPU")
+    adapted, unknown = _adapted_linears(m.target_modules) if m.name != "full" else (set(), [])
+    if unknown:
+        notes.append(f"target modules not counted (not a decoder linear layer): {', '.join(unknown)}")
+    if arch.experts:
+        adapted &= set(arch.linear_shapes())
+    params = _parameter_groups(arch, cfg, adapted)
+    compute = DTYPE_BYTES[precision]
+    full = m.name == "full"
+    base_bytes = 4 if full else compute  # trained master weights, or the frozen base
+    linear_bytes = (0.5 + (1 / QUANT_BLOCK + 4 / (QUANT_BLOCK * DOUBLE_QUANT_BLOCK) if m.double_quant else 4 / QUANT_BLOCK)
+                    if m.name == "qlora" else base_bytes)
+    tp, dp_shard = shape.tp, shape.dp_shard
+    expert_split = shape.dp_shard * shape.tp if arch.experts else 1  # ep ranks, then FSDP over the ranks sharing experts
+
+    # One decoder layer on one rank: (weight bytes, trained parameters), before FSDP.
+    shapes = arch.linear_shapes()
+    linear = sum(i * o + (o if bias else 0) for i, o, bias in shapes.values())
+    experts = arch.expert_parameters_per_layer()
+    layer_weights = linear / tp * linear_bytes + 2 * arch.hidden * base_bytes
+    layer_weights += experts / (expert_split if shape.ep > 1 else tp) * base_bytes
+    layer_trained = (linear / tp + 2 * arch.hidden + experts / (expert_split if shape.ep > 1 else tp)) if full else 0.0
+    if not full:
+        dora = m.use_dora or m.name == "dora"
+        for name in adapted:
+            i, o, _ = shapes[name]
+            a, b = m.r * i, o * m.r
+            own = (a / tp + b + (o if dora else 0)) if name in ROW_SPLIT else (a + b / tp + (o / tp if dora else 0))
+            layer_trained += own
+        layer_weights += layer_trained * 4
+    embed = arch.embedding_parameters() / tp
+    head = arch.head_parameters() / tp + arch.hidden
+
+    per_rank = stages_per_rank(p)
+    m_batches = microbatches(cfg, t.global_batch_size // (t.micro_batch_size * shape.dp))
+    tokens = t.micro_batch_size * cfg.data.max_seq_len
+    stream_dtype = 4 if full else compute
+    stream, matmul, masks = layer_activation_elements(arch, m.name, adapted, m.dropout, m.r, m.name != "full" and (m.use_dora or m.name == "dora"),
+                                                      grad_reaches_input=True)
+    layer_act = tokens * (stream_dtype * stream + (compute * matmul + masks) / tp)
+    if full and compute < 4:
+        layer_act += linear / tp * compute  # autocast's copies of the master weights, kept for backward
+    optimizer_per_param = {"adamw": 8, "paged_adamw_32bit": 8}.get(t.optimizer, 2 + 8 / ADAM_8BIT_BLOCK)
+    summary = stage_summary(arch.layers, shape.pp, per_rank)
+    last_stage = shape.pp * per_rank - 1
+    totals, parts_by_rank = [], []
+    for pp_rank, ranges in summary:
+        stages = [pp_rank + k * shape.pp for k in range(per_rank)]
+        n_layers = sum(len(r) for r in ranges)
+        first, last = 0 in stages, last_stage in stages
+        weights = n_layers * layer_weights + (embed * base_bytes if first else 0) + (head * base_bytes if last else 0)
+        trained = n_layers * layer_trained + ((embed if first else 0) + (head if last else 0)) * full
+        gradients, optimizer = trained * 4, trained * optimizer_per_param
+        gathered = 0.0
+        if dp_shard > 1:
+            weights, gradients, optimizer = weights / dp_shard, gradients / dp_shard, optimizer / dp_shard
+            held = n_layers if not p.reshard_after_forward else min(2, n_layers)
+            root = ((embed if first else 0) + (head if last else 0)) * base_bytes
+            gathered = (held * layer_weights + root) * (dp_shard - 1) / dp_shard
+        in_flight = in_flight_microbatches(p.pp_schedule, shape.pp, m_batches, per_rank, pp_rank)
+        if t.gradient_checkpointing:
+            act = in_flight * n_layers * tokens * arch.hidden * stream_dtype + layer_act
+        else:
+            act = in_flight * n_layers * layer_act
+        if last:
+            if tp > 1:  # the head is split over the vocabulary: full logits are gathered, and their gradient
+                act += 2 * tokens * arch.vocab * 4
+            else:
+                act += tokens * arch.hidden * 4 + min(tokens, max(1, LOSS_CHUNK_ELEMENTS // arch.vocab)) * arch.vocab * 4
+            act += tokens * (arch.hidden + 1) * stream_dtype
+        act += tokens * (2 * arch.hidden * stream_dtype + 2 * arch.intermediate / tp * compute)  # backward working set
+        total = weights + gradients + optimizer + act + gathered
+        totals.append(total)
+        parts_by_rank.append((weights, gradients, optimizer, act, gathered, in_flight))
+    worst = max(range(len(totals)), key=lambda r: totals[r])
+    weights, gradients, optimizer, act, gathered, in_flight = parts_by_rank[worst]
+    if shape.pp > 1:
+        notes.append(f"pipeline rank {worst} shown (the largest); {p.pp_schedule} keeps {in_flight:g} micro-batches' "
+                     f"activations of its stage in flight; micro-batches are padded to max_seq_len")
+    if tp > 1:
+        notes.append(f"tensor parallel: linear weights, embeddings and head 1/{tp}, norms whole; activations' matmul "
+                     "outputs 1/tp, the residual stream whole")
+    if shape.ep > 1:
+        notes.append(f"experts: {arch.experts} per MoE layer over ep {shape.ep} ranks, FSDP over efsdp {shape.efsdp}")
+    ratio = bubble_ratio(shape.pp, m_batches, per_rank)
+    return MemoryEstimate(
+        model=source, method=m.name, parallel=f"mesh ({shape.describe()})", world_size=world, precision=precision,
+        micro_batch_size=t.micro_batch_size, seq_len=cfg.data.max_seq_len,
+        gradient_checkpointing=t.gradient_checkpointing, parameters=params["total"], trainable_parameters=params["trainable"],
+        weights_bytes=round(weights), gradients_bytes=round(gradients), optimizer_bytes=round(optimizer),
+        activations_bytes=round(act), activations_without_checkpointing_bytes=round(act),
+        activations_with_checkpointing_bytes=round(act), gathered_bytes=round(gathered), buffers_bytes=0, offloaded_bytes=0,
+        total_bytes=round(weights + gradients + optimizer + act + gathered), notes=notes, mesh=shape.describe(),
+        stages=describe_stages(arch.layers, shape.pp, per_rank) if shape.pp > 1 else [],
+        stage_totals_bytes=[round(x) for x in totals], bubble_ratio=ratio,
+    )
+
+
 # ------------------------------------------------------------------------------------- activations
 
 
@@ -457,11 +593,17 @@ def format_table(est: MemoryEstimate) -> str:
         f"  {'weights':<38} {_size(est.weights_bytes):>12}",
         f"  {'gradients':<38} {_size(est.gradients_bytes):>12}",
         f"  {'optimizer states':<38} {_size(est.optimizer_bytes):>12}",
-        f"  {'activations, no checkpointing':<38} {_size(est.activations_without_checkpointing_bytes):>12}"
-        + ("" if est.gradient_checkpointing else "  <- this run"),
-        f"  {'activations, gradient checkpointing':<38} {_size(est.activations_with_checkpointing_bytes):>12}"
-        + ("  <- this run" if est.gradient_checkpointing else ""),
     ]
+    if est.mesh:
+        lines.append(f"  {'activations' + (', gradient checkpointing' if est.gradient_checkpointing else ''):<38} "
+                     f"{_size(est.activations_bytes):>12}")
+    else:
+        lines += [
+            f"  {'activations, no checkpointing':<38} {_size(est.activations_without_checkpointing_bytes):>12}"
+            + ("" if est.gradient_checkpointing else "  <- this run"),
+            f"  {'activations, gradient checkpointing':<38} {_size(est.activations_with_checkpointing_bytes):>12}"
+            + ("  <- this run" if est.gradient_checkpointing else ""),
+        ]
     if est.gathered_bytes:
         lines.append(f"  {'gathered weights (layers in use)':<38} {_size(est.gathered_bytes):>12}")
     if est.buffers_bytes:
@@ -469,8 +611,25 @@ def format_table(est: MemoryEstimate) -> str:
     lines.append(f"  {'total':<38} {_size(est.total_bytes):>12}")
     if est.offloaded_bytes:
         lines.append(f"  {'offloaded to CPU memory':<38} {_size(est.offloaded_bytes):>12}")
+    if len(est.stage_totals_bytes) > 1:
+        lines.append("  per pipeline rank: " + ", ".join(f"{r}: {_size(b)}" for r, b in enumerate(est.stage_totals_bytes)))
     lines += [f"  note: {n}" for n in est.notes]
     return "\n".join(lines)
+
+
+def mesh_model_refusal(cfg: RunConfig):
+    """What the model's shipped or local config.json rules out for this mesh (too many stages, tied embeddings
+    under a pipeline), before anything loads; None when fine or when no config is at hand (the backend checks again)."""
+    from ftctl.parallel.mesh_shape import check_stage_count, tied_embeddings_refusal
+
+    if cfg.parallel.name != "mesh":
+        return None
+    try:
+        config, _ = load_model_config(cfg)
+    except ConfigError:
+        return None
+    text = config.get("text_config", config) if "num_hidden_layers" not in config else config
+    return check_stage_count(cfg, text.get("num_hidden_layers")) or tied_embeddings_refusal(cfg, bool(text.get("tie_word_embeddings")))
 
 
 def estimate_for(cfg: RunConfig) -> MemoryEstimate:

@@ -13,6 +13,9 @@ from ftctl.estimate import estimate_for, format_table, machine_precision
 def describe_run(cfg: RunConfig) -> str:
     m, p, d, t = cfg.method, cfg.parallel, cfg.data, cfg.train
     world = p.nproc_per_node * p.nnodes
+    from ftctl.parallel.mesh_shape import data_parallel_size
+
+    data_ranks = data_parallel_size(cfg, world)
     if m.name == "full":
         method = "full (every weight trains)"
     else:
@@ -36,17 +39,41 @@ def describe_run(cfg: RunConfig) -> str:
         f"  precision  {precision}",
         f"  data       {_data_sources(d)} (max_seq_len {d.max_seq_len}, {'packed' if d.packing else 'padded'} micro-batches"
         + (f", eval {d.eval_path or f'{d.eval_fraction:.0%} held out'}" if d.eval_path or d.eval_fraction else "") + ")",
-        f"  batch      global {t.global_batch_size} = micro {t.micro_batch_size} × {world} rank{'s' if world > 1 else ''} × "
-        f"{gradient_accumulation_steps(cfg, world)} accumulation; {_length(t)}, lr {t.lr:g} {t.lr_scheduler}",
+        f"  batch      global {t.global_batch_size} = micro {t.micro_batch_size} × {data_ranks} {'data-parallel ' if data_ranks != world else ''}"
+        f"rank{'s' if data_ranks > 1 else ''} × {gradient_accumulation_steps(cfg, world)} accumulation; {_length(t)}, lr {t.lr:g} {t.lr_scheduler}",
         *_evals(cfg),
         f"  output     {output}",
         "",
     ]
     try:
-        lines.append(format_table(estimate_for(cfg)))
+        estimate = estimate_for(cfg)
     except ConfigError as exc:
+        estimate = None
         lines.append(f"memory estimate unavailable: {exc}")
+    if p.name == "mesh":
+        lines[4:4] = _mesh_lines(cfg, world, estimate)
+    if estimate is not None:
+        lines.append(format_table(estimate))
     return "\n".join(lines)
+
+
+def _mesh_lines(cfg: RunConfig, world: int, estimate) -> list:
+    """The mesh, which layers each pipeline stage holds, and the pipeline's bubble."""
+    from ftctl.parallel.mesh_shape import mesh_shape, microbatches, stages_per_rank
+
+    p = cfg.parallel
+    try:
+        shape = mesh_shape(p, world)
+    except ValueError as exc:
+        return [f"  mesh       {exc}"]
+    lines = [f"  mesh       {shape.describe()} = {world} ranks (device mesh axes pp, dp_replicate, dp_shard, tp)"]
+    if shape.pp > 1 and estimate is not None:
+        m = microbatches(cfg, gradient_accumulation_steps(cfg, world))
+        v = stages_per_rank(p)
+        lines += [f"  stages     {line}" for line in estimate.stages]
+        formula = f"(p−1)/({'v·' if v > 1 else ''}m+p−1) = {shape.pp - 1}/({f'{v}·' if v > 1 else ''}{m}+{shape.pp - 1})"
+        lines.append(f"  pipeline   {p.pp_schedule}, {m} micro-batches a step; bubble {formula} = {estimate.bubble_ratio:.1%}")
+    return lines
 
 
 def _evals(cfg) -> list:

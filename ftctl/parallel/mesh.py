@@ -38,7 +38,7 @@ STATE_DIR = CHECKPOINT_STATE_DIRS["mesh"]
 
 def model_refusal(cfg, model_config) -> Optional[str]:
     """What the model's own config (transformers' PretrainedConfig) rules out for this mesh, before any weight loads."""
-    from ftctl.parallel.mesh_shape import check_stage_count
+    from ftctl.parallel.mesh_shape import check_stage_count, tied_embeddings_refusal
 
     p = cfg.parallel
     text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
@@ -47,13 +47,8 @@ def model_refusal(cfg, model_config) -> Optional[str]:
     if p.ep_size > 1 and not getattr(text, "base_model_ep_plan", None):
         return (f"parallel.ep_size={p.ep_size}: {type(model_config).__name__} has no expert-parallel plan "
                 "(base_model_ep_plan; MoE families such as Mixtral and Qwen3-MoE have one); use ep_size=1")
-    reason = check_stage_count(cfg, getattr(text, "num_hidden_layers", None))
-    if reason:
-        return reason
-    if p.pp_size > 1 and getattr(text, "tie_word_embeddings", False):
-        return ("parallel.pp_size>1 with tied input and output embeddings (tie_word_embeddings): the first and the last "
-                "stage would each train their own copy; use pp_size=1 (tp/fsdp) for this model")
-    return None
+    return (check_stage_count(cfg, getattr(text, "num_hidden_layers", None))
+            or tied_embeddings_refusal(cfg, bool(getattr(text, "tie_word_embeddings", False))))
 
 
 class MeshBackend(DataParallelBackend):

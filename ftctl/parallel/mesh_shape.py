@@ -181,7 +181,14 @@ def check_stage_count(cfg, num_layers: Optional[int]) -> Optional[str]:
         return None
     stages = p.pp_size * stages_per_rank(p)
     if stages > num_layers:
-        what = f"pp_size {p.pp_size} × pp_stages_per_rank {p.pp_stages_per_rank}" if stages_per_rank(p) > 1 else f"pp_size={p.pp_size}"
-        return (f"parallel.{what} = {stages} pipeline stages, but the model has {num_layers} decoder layers; "
-                f"use at most {num_layers} stages")
+        what = (f"parallel.pp_size={p.pp_size} × parallel.pp_stages_per_rank={p.pp_stages_per_rank}" if stages_per_rank(p) > 1
+                else f"parallel.pp_size={p.pp_size}")
+        return f"{what} cuts {stages} pipeline stages, but the model has {num_layers} decoder layers; use at most {num_layers} stages"
+    return None
+
+
+def tied_embeddings_refusal(cfg, tied: bool) -> Optional[str]:
+    if cfg.parallel.name == "mesh" and cfg.parallel.pp_size > 1 and tied:
+        return ("parallel.pp_size>1 with tied input and output embeddings (tie_word_embeddings): the first and the last "
+                "stage would each train their own copy; use pp_size=1 (tp, fsdp) for this model")
     return None
