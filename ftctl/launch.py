@@ -46,6 +46,15 @@ def world_size(cfg: RunConfig) -> int:
     return cfg.parallel.nproc_per_node * cfg.parallel.nnodes
 
 
+def mesh_description(cfg: RunConfig) -> str:
+    """', mesh pp 2 × dp_shard 4 × tp 8': the mesh nnodes × nproc_per_node ranks make, for parallel=mesh."""
+    if cfg.parallel.name != "mesh":
+        return ""
+    from ftctl.parallel.mesh_shape import mesh_shape
+
+    return f", mesh {mesh_shape(cfg.parallel, world_size(cfg)).describe()}"
+
+
 def torchrun_args(cfg: RunConfig, config_path: Path, run_dir: Path) -> List[str]:
     """torchrun's arguments for this node, ending in the worker module and its arguments."""
     p = cfg.parallel
@@ -90,8 +99,8 @@ def launch_workers(cfg: RunConfig, run_dir: Path, config_path: Optional[Path] = 
         # torch's launcher would leave an empty torchelastic_* dir in /tmp for every launch without --log-dir.
         command = [sys.executable, "-m", "ftctl.launch", "--log-dir", str(Path(scratch) / "torch_logs"),
                    *torchrun_args(cfg, config_path, run_dir)]
-        log.info("starting %d worker processes on this node (%d in all, parallel=%s)",
-                 cfg.parallel.nproc_per_node, world_size(cfg), cfg.parallel.name)
+        log.info("starting %d worker processes on this node (%d in all, parallel=%s%s)",
+                 cfg.parallel.nproc_per_node, world_size(cfg), cfg.parallel.name, mesh_description(cfg))
         log.debug("launch: %s", command)
         env = worker_env(cfg, errors)
         env[PARENT_ENV] = str(os.getpid())

@@ -136,6 +136,36 @@ def measure(engine, model, rank: int, world: int, grad_numel_before_step, comput
     }
 
 
+def mesh_evidence(engine, model) -> dict:
+    """What a parallel=mesh rank holds: each parameter's DTensor placements and mesh axes, the bytes of its
+    local parameters next to their full size, the decoder layers of its stages, and its experts."""
+    from torch.distributed.tensor import DTensor
+
+    from ftctl.parallel.pipeline import decoder_layer_list
+
+    backend = engine.backend
+    placements, storages = {}, {}
+    full_bytes = 0
+    for name, p in model.named_parameters():
+        full_bytes += p.numel() * p.element_size()
+        if p.is_meta:  # held by another pipeline stage
+            continue
+        local = p.to_local() if isinstance(p, DTensor) else p
+        placements[name] = ([repr(x) for x in p.placements], list(p.device_mesh.mesh_dim_names or ())) if isinstance(p, DTensor) else None
+        storages[local.untyped_storage().data_ptr()] = local.untyped_storage().nbytes()
+    _, layers = decoder_layer_list(model)
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    held = lambda module: module is not None and not any(q.is_meta for q in module.parameters())  # noqa: E731
+    return {
+        "mesh": backend.shape.describe(), "coords": backend.coords, "placements": placements,
+        "param_bytes_local": sum(storages.values()), "param_bytes_full": full_bytes,
+        "layers": [i for i, layer in enumerate(layers) if held(layer)],
+        "embeddings": held(base.get_input_embeddings()), "head": held(base.get_output_embeddings()),
+        "experts": {name: [m.num_experts, m.gate_up_proj.to_local().shape[0] if hasattr(m.gate_up_proj, "to_local") else None]
+                    for name, m in model.named_modules() if getattr(m, "_is_expert_parallel", False)},
+    }
+
+
 def run_job(job: dict, rank: int, world: int, common: list) -> dict:
     import torch.distributed as dist
 
@@ -180,6 +210,31 @@ def run_job(job: dict, rank: int, world: int, common: list) -> dict:
     if rank == 0:
         prepare_run_dir(cfg)
     dist.barrier()
+    memory = {}
+    create_method, metrics_close = runner.create_method, runner.MetricsLogger.close
+    if job.get("memory"):  # the process's memory increase from building the model to the end of training
+        from memory_probe import reset_peak, status_bytes
+
+        def measured_method(cfg):
+            method = create_method(cfg)
+            build = method.build_model
+
+            def build_model(*args, **kwargs):
+                import gc
+
+                gc.collect()
+                memory["before"] = status_bytes("VmRSS")
+                reset_peak()
+                return build(*args, **kwargs)
+
+            method.build_model = build_model
+            return method
+
+        def close(self):
+            memory["peak"] = status_bytes("VmHWM")
+            metrics_close(self)
+
+        runner.create_method, runner.MetricsLogger.close = measured_method, close
     runner.create_backend = recording_backend
     if job.get("stop_after_step"):
         runner.StopRequest = StopAfterSteps(stop_request, job["stop_after_step"])
@@ -192,8 +247,14 @@ def run_job(job: dict, rank: int, world: int, common: list) -> dict:
         interrupted = True
     finally:
         runner.create_backend, runner.StopRequest = create_backend, stop_request
-    return {**measure(seen["engine"], seen["model"], rank, world, seen.get("grad"), seen["compute_dtypes"]),
-            "interrupted": interrupted}
+        runner.create_method, runner.MetricsLogger.close = create_method, metrics_close
+    record = {**measure(seen["engine"], seen["model"], rank, world, seen.get("grad"), seen["compute_dtypes"]),
+              "interrupted": interrupted}
+    if hasattr(getattr(seen["engine"], "backend", None), "shape"):
+        record["mesh"] = mesh_evidence(seen["engine"], seen["model"])
+    if memory:
+        record["memory_increase"] = memory["peak"] - memory["before"]
+    return record
 
 
 def main(plan_path: str, out_dir: str) -> int:
