@@ -144,7 +144,11 @@ def validate(cfg: RunConfig, needs_data: bool = True) -> None:
     if p.name == "single" and world > 1:
         raise ConfigError(f"parallel=single runs one process, but nproc_per_node × nnodes = {world}; choose ddp, fsdp or zero1/2/3")
     from ftctl.parallel.mesh_shape import data_parallel_size
+    from ftctl.parallel.support import mesh_refusal
 
+    reason = mesh_refusal(cfg)  # before the batch check, which needs the mesh's data-parallel size
+    if reason:
+        raise ConfigError(reason)
     data_ranks = data_parallel_size(cfg, world)
     per_step = t.micro_batch_size * data_ranks
     if t.global_batch_size % per_step:

@@ -108,8 +108,10 @@ def peer_loss_as_error():
     try:
         yield
     except RuntimeError as exc:
-        text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         if not _PEER_LOST.search(str(exc)):
             raise
-        raise FtctlError(f"another rank of this run stopped ({text[-160:]}); continue from the last checkpoint "
-                         "with resume=auto") from None
+        # gloo: "[.../pair.cc:553] Connection closed by peer [127.0.0.1]:42384. This is typically ..."
+        first = str(exc).strip().splitlines()[0].split("] ", 1)[-1]
+        reason = re.split(r"\.\s", first)[0].strip().rstrip(".")
+        raise FtctlError(f"another rank of this run stopped (a collective failed: {reason}); continue from the last "
+                         "checkpoint with resume=auto") from None
