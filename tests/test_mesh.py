@@ -350,7 +350,9 @@ def test_3d_on_8_processes_equals_one_process_and_resumes(eight, references):
         assert mesh["placements"][q][1] == ["dp_shard", "tp"]
     _, root = eight
     assert [r["interrupted"] for r in ranks(eight, "3d-resume")] == [True] * 8
-    assert max_relative_curve_difference(root / "3d-resume", references["full"]) <= RTOL
+    gap = max_relative_curve_difference(root / "3d-resume", references["full"])
+    print(f"3D full, stopped at step 2 and resumed: largest relative gap {gap:.1e}")
+    assert gap <= RTOL
 
 
 # ----------------------------------------------------------------------------------------------
@@ -361,10 +363,10 @@ def test_killing_one_tensor_parallel_rank_stops_the_others_in_one_line_and_resum
     import psutil
 
     run = tmp_path / "killed"
-    args = [*common, "parallel=tp", "method=lora", "train.max_steps=12", "train.save_every=2", f"output_dir={run}"]
+    args = [*common, "parallel=tp", "method=lora", "train.max_steps=8", "train.save_every=1", f"output_dir={run}"]
     parent = subprocess.Popen([sys.executable, "-m", "ftctl", "train", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 240
-    while not ((run / "metrics.jsonl").is_file() and len(_losses(run)) >= 3):
+    while not ((run / "metrics.jsonl").is_file() and len(_losses(run)) >= 2):  # step 1's checkpoint is complete
         assert parent.poll() is None and time.monotonic() < deadline, parent.communicate()
         time.sleep(0.05)
     workers = [p for p in psutil.Process(parent.pid).children(recursive=True)
@@ -379,7 +381,8 @@ def test_killing_one_tensor_parallel_rank_stops_the_others_in_one_line_and_resum
     assert time.monotonic() - killed_at < 60
     assert parent.returncode != 0 and "Traceback" not in err, err[-3000:]
     assert err.count("ftctl: error:") == 1, err[-3000:]
-    assert len(_losses(run)) < 12, "the run finished before a rank was killed"
+    assert len(_losses(run)) < 8, "the run finished before a rank was killed"
+    assert (run / "checkpoints").is_dir()
     print(f"killed after step {len(_losses(run))}; {time.monotonic() - killed_at:.1f} s to exit; {err.strip().splitlines()[-1]}")
     started = time.monotonic()
     resumed = subprocess.run([sys.executable, "-m", "ftctl", "train", *args, "resume=auto"], capture_output=True, text=True, timeout=300)
@@ -389,6 +392,6 @@ def test_killing_one_tensor_parallel_rank_stops_the_others_in_one_line_and_resum
     from ftctl.training.run_dir import prepare_run_dir
     from ftctl.training.runner import train
 
-    cfg = compose_config([*common, "parallel=single", "method=lora", "train.max_steps=12", f"output_dir={tmp_path / 'one'}"])
+    cfg = compose_config([*common, "parallel=single", "method=lora", "train.max_steps=8", f"output_dir={tmp_path / 'one'}"])
     train(cfg, prepare_run_dir(cfg))
     assert max_relative_curve_difference(run, tmp_path / "one") <= RTOL
