@@ -22,7 +22,7 @@ LLAMA31_70B_PARAMETERS = 70_553_706_496  # as published for meta-llama/Llama-3.1
 
 
 def _parallel(**sizes):
-    cfg = compose_config(["parallel=mesh"])
+    cfg = compose_config(["recipe=tiny_lora", "parallel=mesh"])
     return dataclasses.replace(cfg.parallel, **sizes)
 
 
@@ -61,6 +61,7 @@ def test_a_mesh_that_does_not_fit_the_world_is_one_line(sizes, world, message):
     (["parallel=pp", "data.packing=true"], r"data.packing=true with parallel.pp_size>1: .* set data.packing=false"),
     (["parallel=tp", "precision=fp16"], r"parallel=mesh precision=fp16: .* use precision=bf16"),
     (["parallel=tp", "parallel.offload_params=cpu"], r"parallel=mesh does not offload"),
+    (["parallel=tp", "train.optimizer=adamw_8bit"], r"train.optimizer=adamw_8bit with parallel=mesh: bitsandbytes' update kernels"),
     (["parallel=pp", "parallel.pp_schedule=zero_bubble"], r"pp_schedule='zero_bubble' is not one of gpipe, 1f1b, interleaved_1f1b"),
     (["parallel=3d", "parallel.nproc_per_node=6"], r"does not divide the world size 6"),
     (["parallel=fsdp_tp", "train.global_batch_size=6"], r"multiple of train.micro_batch_size × data-parallel ranks \(dp_replicate × dp_shard\) = 4 × 2 = 8"),

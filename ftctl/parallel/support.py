@@ -126,7 +126,8 @@ def config_refusal(cfg) -> Optional[str]:
         return ("method=qlora with parallel.offload_params=cpu: ftctl does not offload bitsandbytes 4-bit weights "
                 "(their quantisation state stays with the layer on the device); the 4-bit base is already a quarter "
                 "of its bf16 size, so drop the parameter offload or use method=lora")
-    refused = (ZERO_REFUSED_OPTIMIZERS if p.name in ZERO_STAGES else FSDP_REFUSED_OPTIMIZERS if p.name == "fsdp" else {})
+    # A mesh's parameters are DTensors (tensor-parallel and FSDP2 shards) as FSDP's are.
+    refused = (ZERO_REFUSED_OPTIMIZERS if p.name in ZERO_STAGES else FSDP_REFUSED_OPTIMIZERS if p.name in ("fsdp", "mesh") else {})
     if cfg.train.optimizer in refused:
         return f"train.optimizer={cfg.train.optimizer} with parallel={p.name}: {refused[cfg.train.optimizer]}"
     if p.name in ZERO_STAGES and cfg.precision.name == "fp16":
