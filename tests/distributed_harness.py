@@ -13,11 +13,15 @@ costs more than a tiny model's training.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import subprocess
 import sys
 import time
 import traceback
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -210,31 +214,11 @@ def run_job(job: dict, rank: int, world: int, common: list) -> dict:
     if rank == 0:
         prepare_run_dir(cfg)
     dist.barrier()
-    memory = {}
-    create_method, metrics_close = runner.create_method, runner.MetricsLogger.close
+    memory = contextlib.ExitStack()
     if job.get("memory"):  # the process's memory increase from building the model to the end of training
-        from memory_probe import reset_peak, status_bytes
+        from memory_probe import training_memory
 
-        def measured_method(cfg):
-            method = create_method(cfg)
-            build = method.build_model
-
-            def build_model(*args, **kwargs):
-                import gc
-
-                gc.collect()
-                memory["before"] = status_bytes("VmRSS")
-                reset_peak()
-                return build(*args, **kwargs)
-
-            method.build_model = build_model
-            return method
-
-        def close(self):
-            memory["peak"] = status_bytes("VmHWM")
-            metrics_close(self)
-
-        runner.create_method, runner.MetricsLogger.close = measured_method, close
+        marks = memory.enter_context(training_memory(runner, runner.MetricsLogger))
     runner.create_backend = recording_backend
     if job.get("stop_after_step"):
         runner.StopRequest = StopAfterSteps(stop_request, job["stop_after_step"])
@@ -247,14 +231,36 @@ def run_job(job: dict, rank: int, world: int, common: list) -> dict:
         interrupted = True
     finally:
         runner.create_backend, runner.StopRequest = create_backend, stop_request
-        runner.create_method, runner.MetricsLogger.close = create_method, metrics_close
+        memory.close()
     record = {**measure(seen["engine"], seen["model"], rank, world, seen.get("grad"), seen["compute_dtypes"]),
               "interrupted": interrupted}
     if hasattr(getattr(seen["engine"], "backend", None), "shape"):
         record["mesh"] = mesh_evidence(seen["engine"], seen["model"])
-    if memory:
-        record["memory_increase"] = memory["peak"] - memory["before"]
+    if job.get("memory"):
+        record["memory_increase"] = marks["peak"] - marks["before"]
     return record
+
+
+def launch(world: int, common: list, jobs: list, root: Path, timeout: int = 900, env: Optional[dict] = None) -> dict:
+    """Run ``jobs`` in one torchrun launch of this file on ``world`` processes; the evidence by job id.
+
+    Called by the tests (pytest fails on a failed launch or job)."""
+    import pytest
+
+    plan = root / "plan.json"
+    plan.write_text(json.dumps({"common": common, "jobs": jobs}))
+    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", CUDA_VISIBLE_DEVICES="", **(env or {}))
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
+               str(Path(__file__).resolve()), str(plan), str(root)]
+    proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
+    evidence_file = root / "evidence.json"
+    if proc.returncode or not evidence_file.exists():
+        pytest.fail(f"harness failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    evidence = json.loads(evidence_file.read_text())
+    failed = {k: v for k, v in evidence.items() if any("error" in r for r in v["ranks"])}
+    if failed:
+        pytest.fail(f"harness jobs failed: {json.dumps(failed, indent=1)[-6000:]}")
+    return evidence
 
 
 def main(plan_path: str, out_dir: str) -> int:

@@ -12,6 +12,7 @@ unmeasured run pays the one-time costs (lazy imports inside transformers and pef
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import os
@@ -31,6 +32,38 @@ def status_bytes(key: str) -> int:
 def reset_peak() -> None:
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
+
+
+@contextlib.contextmanager
+def training_memory(runner, metrics_logger):
+    """While active, every training run through ``runner`` fills the yielded dict: "before", the resident set
+    when the model starts to build (the high-water mark reset there), and "peak", the high-water mark when
+    the training loop ends (the final save comes after and is not training memory)."""
+    marks = {}
+    real_create_method, real_close = runner.create_method, metrics_logger.close
+
+    def create_method(cfg, *args):
+        method = real_create_method(cfg, *args)
+        real_build = method.build_model
+
+        def build_model(*args, **kwargs):
+            gc.collect()
+            marks["before"] = status_bytes("VmRSS")
+            reset_peak()
+            return real_build(*args, **kwargs)
+
+        method.build_model = build_model
+        return method
+
+    def close(self):
+        marks["peak"] = status_bytes("VmHWM")
+        real_close(self)
+
+    runner.create_method, metrics_logger.close = create_method, close
+    try:
+        yield marks
+    finally:
+        runner.create_method, metrics_logger.close = real_create_method, real_close
 
 
 def main() -> None:
@@ -58,30 +91,7 @@ def main() -> None:
     from ftctl.training.metrics import MetricsLogger
     from ftctl.training.run_dir import prepare_run_dir
 
-    marks = {}
-    real_create_method = runner.create_method
-
-    def create_method(cfg, *args):
-        method = real_create_method(cfg, *args)
-        real_build = method.build_model
-
-        def build_model(*args, **kwargs):
-            gc.collect()
-            marks["before"] = status_bytes("VmRSS")
-            reset_peak()
-            return real_build(*args, **kwargs)
-
-        method.build_model = build_model
-        return method
-
-    real_close = MetricsLogger.close
-
-    def close(self):  # the training loop is over; the final save comes after and is not training memory
-        marks["peak"] = status_bytes("VmHWM")
-        real_close(self)
-
-    runner.create_method = create_method
-    MetricsLogger.close = close
+    marks = training_memory(runner, MetricsLogger).__enter__()  # for the rest of this process
 
     base = [
         "recipe=tiny_lora", f"model.name_or_path={model_dir}", "precision=fp32", f"data.path={data}",

@@ -211,21 +211,10 @@ def harness_jobs(root: Path) -> list:
 @pytest.fixture(scope="module")
 def harness(common, references, optimizer_references, tmp_path_factory):
     """Run every job in one 2-process torchrun launch; returns (evidence by job id, runs root)."""
+    from distributed_harness import launch
+
     root = tmp_path_factory.mktemp("distributed")
-    plan = root / "plan.json"
-    plan.write_text(json.dumps({"common": common, "jobs": harness_jobs(root)}))
-    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", CUDA_VISIBLE_DEVICES="")
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={WORLD}",
-               str(HERE / "distributed_harness.py"), str(plan), str(root)]
-    proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=HARNESS_TIMEOUT)
-    evidence_file = root / "evidence.json"
-    if proc.returncode or not evidence_file.exists():
-        pytest.fail(f"harness failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
-    evidence = json.loads(evidence_file.read_text())
-    failed = {k: v for k, v in evidence.items() if any("error" in r for r in v["ranks"])}
-    if failed:
-        pytest.fail(f"harness jobs failed: {json.dumps(failed, indent=1)[-6000:]}")
-    return evidence, root
+    return launch(WORLD, common, harness_jobs(root), root, HARNESS_TIMEOUT), root
 
 
 def ranks(harness, job_id):

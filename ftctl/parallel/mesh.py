@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 from pathlib import Path
 from typing import Dict, List, Optional
 
@@ -245,7 +246,7 @@ class MeshEngine(Engine):
         params = self._params()
         pp_group = self.backend.mesh.get_group("pp") if self.backend.shape.pp > 1 else None
         norm = float(grad_norm(params, pp_group))
-        skipped = not torch.isfinite(torch.tensor(norm))
+        skipped = not math.isfinite(norm)
         if not skipped:
             if max_grad_norm > 0:
                 coefficient = min(1.0, max_grad_norm / (norm + 1e-6))  # torch's clip_grad_norm_

@@ -96,8 +96,10 @@ def cut_stages(model: torch.nn.Module, pp_rank: int, pp_size: int, per_rank: int
     names = _names(model)
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     embeddings, head = base.get_input_embeddings(), base.get_output_embeddings()
-    decoder = next(m for m in base.modules() if m is not base and hasattr(m, "norm") and any(c is layers for c in m.children()))
-    edges = {"embeddings": [names[id(embeddings)]], "norm": [names[id(decoder.norm)]], "head": [names[id(head)]] if head is not None else []}
+    decoder = next(m for m in base.modules() if any(c is layers for c in m.children()))
+    norm = getattr(decoder, "norm", None)  # the final norm, where the family has one under that name
+    edges = {"embeddings": [names[id(embeddings)]], "norm": [names[id(norm)]] if norm is not None else [],
+             "head": [names[id(head)]] if head is not None else []}
     owned_layers = {i for s in mine for i in ranges[s]}
     stages = []
     for s in mine:
@@ -114,7 +116,7 @@ def cut_stages(model: torch.nn.Module, pp_rank: int, pp_size: int, per_rank: int
     for i, layer in enumerate(layers):
         if i not in owned_layers:
             release(layer)
-    for module in (embeddings, decoder.norm, head):
+    for module in (embeddings, norm, head):
         if module is not None and not any(id(p) in held for p in module.parameters()):
             release(module)
     return stages

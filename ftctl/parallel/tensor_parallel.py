@@ -68,8 +68,11 @@ def apply_tensor_parallel(model: torch.nn.Module, tp_mesh) -> Dict[str, str]:
 
     plan, _ = model_plans(model, tp_mesh.size())
     modules = dict(model.named_modules())
+    parameters = dict(model.named_parameters())  # a tied head's weight is the embeddings' one: listed once
     applied: Dict[str, str] = {}
     for name, style in plan.items():
+        if name not in modules and name not in parameters:
+            continue  # the second name of a tied weight: split once, under its first name
         owner = modules[name] if name in modules else modules[name.rpartition(".")[0]]
         if isinstance(owner, LoraLayer):
             applied.update(_lora_plan(owner, name, style, tp_mesh))
@@ -79,6 +82,11 @@ def apply_tensor_parallel(model: torch.nn.Module, tp_mesh) -> Dict[str, str]:
     # transformers' styles shard a parameter before the forward of its module is hooked.
     ordered = dict(sorted(applied.items(), key=lambda item: item[0] in modules))
     apply_tensor_parallelism(model, tp_mesh, ordered)
+    base, _ = _base_model(model)
+    if getattr(base.config.get_text_config(), "tie_word_embeddings", False):
+        # The embeddings and the head were split one after the other into two parameters (both by vocabulary
+        # rows, Shard(0)); one process trains a single tied weight, so tie them again.
+        base.tie_weights()
     return ordered
 
 
