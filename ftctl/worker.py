@@ -79,7 +79,7 @@ def train_under_launcher(cfg, debug: bool = False):
 
     place = process_place()
     if cfg.parallel.name == "single" and place.world_size > 1:
-        raise ConfigError(f"parallel=single, but the launcher started {place.world_size} ranks; choose ddp, fsdp or zero1/2/3")
+        raise ConfigError(f"parallel=single, but the launcher started {place.world_size} ranks; choose ddp, fsdp, zero1/2/3 or mesh")
     owns_group = ensure_process_group(cfg.parallel.dist_backend, cfg.parallel.master_port)
     try:
         shared = [None]

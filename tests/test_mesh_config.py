@@ -64,6 +64,7 @@ def test_a_mesh_that_does_not_fit_the_world_is_one_line(sizes, world, message):
     (["parallel=tp", "train.optimizer=adamw_8bit"], r"train.optimizer=adamw_8bit with parallel=mesh: bitsandbytes' update kernels"),
     (["parallel=pp", "parallel.pp_schedule=zero_bubble"], r"pp_schedule='zero_bubble' is not one of gpipe, 1f1b, interleaved_1f1b"),
     (["parallel=3d", "parallel.nproc_per_node=6"], r"does not divide the world size 6"),
+    (["parallel=pp", "parallel.pp_microbatches=3"], r"pp_microbatches=3 must divide the 8 examples each pipeline takes a step"),
     (["parallel=fsdp_tp", "train.global_batch_size=6"], r"multiple of train.micro_batch_size × data-parallel ranks \(dp_replicate × dp_shard\) = 4 × 2 = 8"),
 ])
 def test_what_no_engine_runs_is_refused_in_one_line_before_anything_loads(overrides, message):
@@ -101,9 +102,14 @@ def test_stages_split_layers_like_transformers_and_the_bubble_is_p_minus_1_over_
     assert in_flight_microbatches("interleaved_1f1b", 4, 8, 2) == pytest.approx((4 + 6 + 1) / 2)
 
 
-def test_tensor_and_pipeline_ranks_share_their_batch():
+def test_tensor_and_pipeline_ranks_share_their_batch_and_the_launch_names_the_mesh(tmp_path):
+    from ftctl.launch import mesh_description, torchrun_args
+
     cfg = compose_config(["recipe=llama70b_3d"])
     assert gradient_accumulation_steps(cfg, 64) == 8  # 32 = micro 1 × dp 4 × 8
+    assert mesh_description(cfg) == ", mesh pp 2 × dp_shard 4 × tp 8"  # from nnodes 8 × nproc_per_node 8
+    args = torchrun_args(cfg, tmp_path / "config.yaml", tmp_path)
+    assert args[:4] == ["--nproc-per-node", "8", "--nnodes", "8"]
 
 
 def test_llama70b_3d_estimates_per_gpu_and_dry_runs(capsys, tmp_path):

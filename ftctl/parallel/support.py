@@ -100,6 +100,12 @@ def mesh_refusal(cfg) -> Optional[str]:
             return "parallel.ep_size>1 with parallel.pp_size>1: transformers' expert dispatch does not run inside pipeline stages yet"
         if p.pp_schedule == "interleaved_1f1b" and p.pp_stages_per_rank < 2:
             return "parallel.pp_schedule=interleaved_1f1b needs parallel.pp_stages_per_rank >= 2 (1 is plain 1f1b)"
+        t = cfg.train
+        rows = t.global_batch_size // shape.dp  # each data-parallel rank's share of a step, cut into pipeline micro-batches
+        if p.pp_microbatches and (t.global_batch_size % shape.dp or rows % p.pp_microbatches):
+            return (f"parallel.pp_microbatches={p.pp_microbatches} must divide the {rows} examples each pipeline takes a step "
+                    f"(train.global_batch_size {t.global_batch_size} ÷ {shape.dp} data-parallel ranks); 0 uses the "
+                    "gradient accumulation steps")
     return None
 
 
