@@ -73,8 +73,14 @@ def test_what_no_engine_runs_is_refused_in_one_line_before_anything_loads(overri
     assert "\n" not in str(caught.value)
 
 
-def test_too_many_stages_and_tied_embeddings_are_refused_before_launch(capsys, tmp_path, tiny_model_dir):
+def test_too_many_stages_and_tied_embeddings_are_refused_before_launch(capsys, tmp_path, tiny_model_dir, monkeypatch):
+    import ftctl.launch
     from ftctl.models.tiny import build_tiny_llama
+
+    def launched(*args, **kwargs):
+        raise AssertionError("workers were started for a mesh the model cannot take")
+
+    monkeypatch.setattr(ftctl.launch, "launch_workers", launched)
 
     out = tmp_path / "never"
     args = ["train", "recipe=tiny_lora", f"model.name_or_path={tiny_model_dir}", "precision=fp32", f"output_dir={out}"]
