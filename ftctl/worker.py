@@ -47,11 +47,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     _setup_rank_logging(rank, run_dir, args.debug)
     try:
         from ftctl.config.compose import load_resolved
-        from ftctl.parallel.distributed import peer_loss_as_error
         from ftctl.training.runner import train
 
-        with peer_loss_as_error():
-            result = train(load_resolved(config_path), run_dir)
+        result = train(load_resolved(config_path), run_dir)
     except FtctlError as exc:  # the parent `ftctl train` reports it, in train.log too
         if not report_worker_error(rank, exc):
             print(f"ftctl: error (rank {rank}): {exc}", file=sys.stderr)
@@ -101,12 +99,10 @@ def train_under_launcher(cfg, debug: bool = False):
                 copy.flush()
                 cfg = load_resolved(copy.name)
         _setup_rank_logging(place.rank, run_dir, debug)
-        from ftctl.parallel.distributed import peer_loss_as_error
         from ftctl.training.runner import train
 
         try:
-            with peer_loss_as_error():
-                result = train(cfg, run_dir)
+            result = train(cfg, run_dir)
         except BaseException as exc:  # whatever stopped it, as `ftctl train` does without a launcher
             if place.rank == 0:  # the run dir is rank 0's
                 from ftctl.training.run_dir import end_failed_run

@@ -18,13 +18,17 @@ from pathlib import Path
 
 import pytest
 
-from ftctl.preflight import gpu_visible
+from devices import cpu_only
 from test_parallel import _losses, max_relative_curve_difference, ranks
 
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(gpu_visible(), reason="gloo ranks on the CPU; on a GPU host the ranks would share its GPU"),
-]
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module", autouse=True)
+def gloo_ranks_on_the_cpu():
+    """On a GPU host too, before the module's runs: its GPU is hidden from this process and its children."""
+    with cpu_only():
+        yield
 
 STEPS = 3
 RTOL = 1e-5  # loss and gradient norm of every step, relative to one process (fp32)
@@ -353,13 +357,17 @@ def test_3d_on_8_processes_equals_one_process_and_resumes(eight, references):
 
 
 def test_killing_one_tensor_parallel_rank_stops_the_others_in_one_line_and_resume_matches(common, tmp_path):
+    """A rank killed mid-step: the other exits within 60 s, the error names the killed rank first, and a resume
+    (past a damaged newest checkpoint: its DCP shards are validated like any checkpoint's files) equals one process."""
     import psutil
+
+    from ftctl.training.checkpoint import complete_checkpoints
 
     run = tmp_path / "killed"
     args = [*common, "parallel=tp", "method=lora", "train.max_steps=8", "train.save_every=1", f"output_dir={run}"]
     parent = subprocess.Popen([sys.executable, "-m", "ftctl", "train", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 240
-    while not ((run / "metrics.jsonl").is_file() and len(_losses(run)) >= 2):  # step 1's checkpoint is complete
+    while not ((run / "metrics.jsonl").is_file() and len(_losses(run)) >= 3):  # step 2's checkpoint is complete
         assert parent.poll() is None and time.monotonic() < deadline, parent.communicate()
         time.sleep(0.05)
     workers = [p for p in psutil.Process(parent.pid).children(recursive=True)
@@ -374,13 +382,20 @@ def test_killing_one_tensor_parallel_rank_stops_the_others_in_one_line_and_resum
     assert time.monotonic() - killed_at < 60
     assert parent.returncode != 0 and "Traceback" not in err, err[-3000:]
     assert err.count("ftctl: error:") == 1, err[-3000:]
+    lines = err.strip().splitlines()
+    first = next(i for i, line in enumerate(lines) if line.startswith("ftctl: error:"))
+    assert lines[first].startswith("ftctl: error: rank 1 was killed by SIGKILL"), err[-3000:]
+    assert all(line.startswith("rank 0 stopped after it: ") for line in lines[first + 1:]), err[-3000:]
     assert len(_losses(run)) < 8, "the run finished before a rank was killed"
-    assert (run / "checkpoints").is_dir()
-    print(f"killed after step {len(_losses(run))}; {time.monotonic() - killed_at:.1f} s to exit; {err.strip().splitlines()[-1]}")
+    print(f"killed after step {len(_losses(run))}; {time.monotonic() - killed_at:.1f} s to exit; {lines[first]}")
+    newest, previous = complete_checkpoints(run)[-1], complete_checkpoints(run)[-2]
+    shard = next((newest / "mesh_state").glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
     started = time.monotonic()
     resumed = subprocess.run([sys.executable, "-m", "ftctl", "train", *args, "resume=auto"], capture_output=True, text=True, timeout=300)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    print(f"resumed in {time.monotonic() - started:.1f} s")
+    assert f"{newest.name} is damaged" in resumed.stderr and f"continuing from {previous.name}" in resumed.stderr, resumed.stderr[-3000:]
+    print(f"resumed from {previous.name} in {time.monotonic() - started:.1f} s")
     from ftctl.config.compose import compose_config
     from ftctl.training.run_dir import prepare_run_dir
     from ftctl.training.runner import train

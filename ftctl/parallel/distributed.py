@@ -6,11 +6,9 @@ without a launcher a multi-process run is started by :mod:`ftctl.launch`.
 
 from __future__ import annotations
 
-import contextlib
 import os
-import re
 
-from ftctl.errors import ConfigError, FtctlError
+from ftctl.errors import ConfigError
 from ftctl.parallel.base import Backend, default_device
 from ftctl.parallel.place import process_place
 
@@ -95,23 +93,3 @@ class DataParallelBackend(Backend):
         if self._owns_group and dist.is_initialized():
             dist.destroy_process_group()
         self._owns_group = False
-
-
-#: How gloo and NCCL report that a peer of a collective went away (its process died or was killed).
-_PEER_LOST = re.compile(r"closed by peer|reset by peer|Broken pipe|Connection refused|communicator was aborted|"
-                        r"remote process exited|Socket Timeout|timed out", re.IGNORECASE)
-
-
-@contextlib.contextmanager
-def peer_loss_as_error():
-    """A collective that fails because another rank died becomes one line for the user, not this rank's traceback."""
-    try:
-        yield
-    except RuntimeError as exc:
-        if not _PEER_LOST.search(str(exc)):
-            raise
-        # gloo: "[.../pair.cc:553] Connection closed by peer [127.0.0.1]:42384. This is typically ..."
-        first = str(exc).strip().splitlines()[0].split("] ", 1)[-1]
-        reason = re.split(r"\.\s", first)[0].strip().rstrip(".")
-        raise FtctlError(f"another rank of this run stopped (a collective failed: {reason}); continue from the last "
-                         "checkpoint with resume=auto") from None

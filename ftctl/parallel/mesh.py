@@ -198,33 +198,40 @@ class MeshBackend(DataParallelBackend):
 # ------------------------------------------------------------------------------------------ engines
 
 
-def grad_norm(params, pp_group=None) -> torch.Tensor:
-    """The global gradient norm of parameters spread over meshes: per group of like-placed gradients, then over stages.
+def squared_norm_share(params, shape) -> torch.Tensor:
+    """This rank's share of the global squared gradient norm, such that the shares summed over the world and
+    divided by the ranks of a data-parallel replica (what :meth:`MeshBackend.all_reduce_sum` does, in the step's
+    one reduction) give the global squared norm; float64 on the device, nothing read back.
 
-    A plain gradient is the same on every rank that holds it (replicated), so it counts once; a
-    DTensor gradient's norm is reduced over its own mesh. Stages hold different parameters, so their
-    squared norms add up over the pipeline.
+    A gradient's local part (a DTensor's shard, or a plain tensor) is held alike by every rank that
+    differs from this one only along an axis that does not split it: the mesh axes outside its
+    DTensor mesh but pp (stages hold different parameters) and its mesh's Replicate dims. Each copy
+    counts its share of one.
     """
-    import torch.distributed as dist
-    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import DTensor, Partial, Replicate
 
-    groups: Dict[object, list] = {}
+    replica_ranks = shape.world // shape.dp
+    locals_by_copies: Dict[int, list] = {}
     for p in params:
-        if p.grad is not None:
-            g = p.grad
-            key = (g.device_mesh, g.placements) if isinstance(g, DTensor) else "plain"
-            groups.setdefault(key, []).append(g)
-    total = torch.zeros((), dtype=torch.float64)
-    for grads in groups.values():
-        norm = torch.nn.utils.get_total_norm(grads)
-        norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
-        total = total + norm.double().cpu() ** 2
-    if pp_group is not None:
-        device = next((g.device for grads in groups.values() for g in grads), torch.device("cpu"))
-        total = total.to(device)
-        dist.all_reduce(total, group=pp_group)
-        total = total.cpu()
-    return total.sqrt()
+        g = p.grad
+        if g is None:
+            continue
+        if isinstance(g, DTensor):
+            if any(isinstance(placement, Partial) for placement in g.placements):
+                g = g.redistribute(placements=[Replicate() if isinstance(pl, Partial) else pl for pl in g.placements])
+            mesh = g.device_mesh
+            replicated = math.prod(mesh.size(i) for i, pl in enumerate(g.placements) if isinstance(pl, Replicate))
+            copies = shape.world // (shape.pp * mesh.size()) * replicated
+            local = g.to_local()
+        else:
+            copies, local = shape.world // shape.pp, g
+        locals_by_copies.setdefault(copies, []).append(local)
+    device = next((t.device for ts in locals_by_copies.values() for t in ts), torch.device("cpu"))
+    share = torch.zeros((), dtype=torch.float64, device=device)
+    for copies, tensors in locals_by_copies.items():
+        squares = torch.stack(torch._foreach_norm(tensors)).double().square().sum()
+        share += squares * (replica_ranks / copies)
+    return share
 
 
 class MeshEngine(Engine):
@@ -242,22 +249,24 @@ class MeshEngine(Engine):
     def _params(self):
         return [p for group in self.optimizer.param_groups for p in group["params"]]
 
-    def step(self, max_grad_norm):
-        params = self._params()
-        pp_group = self.backend.mesh.get_group("pp") if self.backend.shape.pp > 1 else None
-        norm = float(grad_norm(params, pp_group))
-        skipped = not math.isfinite(norm)
+    def _grads(self):
+        return [p.grad for group in self.optimizer.param_groups for p in group["params"] if p.grad is not None]
+
+    def step(self, max_grad_norm, sync):
+        share = squared_norm_share(self._params(), self.backend.shape)
+        # The step's one reduction adds the shares up (sharded: the root of the summed squares); clipping
+        # then scales the local parts on the device, as torch's clip_grad_norm_ would the whole gradients.
+        norm, grad_norm = sync(share.sqrt(), sharded=True)
+        grads = [g.to_local() if hasattr(g, "to_local") else g for g in self._grads()]
+        if max_grad_norm > 0 and grads:
+            coefficient = (max_grad_norm / (norm + 1e-6)).clamp(max=1.0)
+            torch._foreach_mul_(grads, coefficient.to(grads[0].device))
+        skipped = not math.isfinite(grad_norm)  # a NaN/inf update would destroy the weights
         if not skipped:
-            if max_grad_norm > 0:
-                coefficient = min(1.0, max_grad_norm / (norm + 1e-6))  # torch's clip_grad_norm_
-                if coefficient < 1.0:
-                    for p in params:
-                        if p.grad is not None:
-                            p.grad.mul_(coefficient)
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.skipped_steps += skipped
-        return StepResult(norm, skipped)
+        return StepResult(grad_norm, skipped)
 
     def gathered_state_dict(self):
         """The trained weights (and buffers), unsharded, on rank 0: DTensors gathered, stages collected over the pipeline."""
@@ -342,8 +351,8 @@ class PipelineEngine(MeshEngine):
         return output * self.scale  # the last stage's output is its micro-batch's summed token loss
 
     def _run(self, ids, mask, targets, train: bool) -> torch.Tensor:
-        import torch.distributed as dist
-
+        """The run's summed token loss on the last stage's ranks, times the stage count, and 0 on the others: the
+        step's one reduction (and evaluation's) sums over the world and divides by a replica's pp × tp ranks."""
         b = self.backend
         device = b.device
         ids, mask, targets = ids.to(device), mask.to(device), targets.to(device)
@@ -355,11 +364,10 @@ class PipelineEngine(MeshEngine):
             run(*args, target=targets, losses=losses, return_outputs=False, attention_mask=mask, targets=targets)
         total = torch.zeros((), dtype=torch.float64, device=device)
         for loss in losses:  # only the last stage has them
-            total += loss.detach().double() / self.scale
-        dist.all_reduce(total, group=b.mesh.get_group("pp"))
+            total += loss.detach().double() * (b.shape.pp / self.scale)
         return total
 
-    def forward_backward(self, batches, loss_of, scale):
+    def forward_backward(self, batches, loss_of, scale, device):
         from ftctl.parallel.pipeline import pipeline_inputs
 
         self.scale = scale

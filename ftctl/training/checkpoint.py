@@ -33,7 +33,7 @@ STATE_FILE = "trainer_state.json"
 FILES_KEY = "files"  # in STATE_FILE: every other file of the checkpoint with its size in bytes
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 #: What a checkpoint holds besides the result itself (the optimizer, scaler and RNG states of every backend).
-TRAINING_STATE = ("optimizer.", "rng.", "scaler", "fsdp_state", "deepspeed")
+TRAINING_STATE = ("optimizer.", "rng.", "scaler", "fsdp_state", "mesh_state", "deepspeed")
 
 
 def checkpoints_dir(run_dir: Path) -> Path:
