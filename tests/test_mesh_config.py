@@ -62,6 +62,7 @@ def test_a_mesh_that_does_not_fit_the_world_is_one_line(sizes, world, message):
     (["parallel=tp", "precision=fp16"], r"parallel=mesh precision=fp16: .* use precision=bf16"),
     (["parallel=tp", "parallel.offload_params=cpu"], r"parallel=mesh does not offload"),
     (["parallel=tp", "train.optimizer=adamw_8bit"], r"train.optimizer=adamw_8bit with parallel=mesh: bitsandbytes' update kernels"),
+    (["parallel=tp", "train.neftune_alpha=5"], r"train.neftune_alpha=5.0 with parallel.tp_size=2: the embeddings are split over the vocabulary"),
     (["parallel=pp", "parallel.pp_schedule=zero_bubble"], r"pp_schedule='zero_bubble' is not one of gpipe, 1f1b, interleaved_1f1b"),
     (["parallel=3d", "parallel.nproc_per_node=6"], r"does not divide the world size 6"),
     (["parallel=pp", "parallel.pp_microbatches=3"], r"pp_microbatches=3 must divide the 8 examples each pipeline takes a step"),

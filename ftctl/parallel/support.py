@@ -89,6 +89,10 @@ def mesh_refusal(cfg) -> Optional[str]:
     if m.name == "qlora" and (shape.tp > 1 or shape.ep > 1):
         return (f"method=qlora with parallel.{'tp' if shape.tp > 1 else 'ep'}_size>1: bitsandbytes' 4-bit weights cannot be "
                 "split into tensor- or expert-parallel shards; use method=lora (or QLoRA with pp_size and FSDP2 only)")
+    if cfg.train.neftune_alpha and shape.tp > 1:
+        return (f"train.neftune_alpha={cfg.train.neftune_alpha} with parallel.tp_size={shape.tp}: the embeddings are split "
+                "over the vocabulary and each tp rank's partial output is summed after NEFTune's hook would add noise "
+                "to it; set train.neftune_alpha=0, or use a mesh without tp (pp, ep, FSDP)")
     if m.name != "full" and shape.ep > 1 and list(m.target_modules) == ["all-linear"] and not (m.use_dora or m.name == "dora"):
         return ("parallel.ep_size>1 with method.target_modules=[all-linear]: all-linear reaches the fused expert weights, "
                 "whose LoRA peft does not shard by expert; name linear layers (e.g. [q_proj,k_proj,v_proj,o_proj]) or use method=full")
