@@ -387,8 +387,11 @@ def estimate_mesh_memory(cfg: RunConfig, arch: Architecture, source: str) -> Mem
     linear = sum(i * o + (o if bias else 0) for i, o, bias in shapes.values())
     experts = arch.expert_parameters_per_layer()
     layer_weights = linear / tp * linear_bytes + 2 * arch.hidden * base_bytes
-    layer_weights += experts / (expert_split if shape.ep > 1 else tp) * base_bytes
-    layer_trained = (linear / tp + 2 * arch.hidden + experts / (expert_split if shape.ep > 1 else tp)) if full else 0.0
+    layer_trained = (linear / tp + 2 * arch.hidden) if full else 0.0
+    # A layer's experts on one rank: under ep already over dp_shard × tp (FSDP over efsdp included), so FSDP's
+    # division by dp_shard below leaves them out; without ep they split by TP and shard as the rest of the layer.
+    layer_experts = experts / (expert_split if shape.ep > 1 else tp)
+    expert_fsdp = 1 if shape.ep > 1 else dp_shard
     if not full:
         dora = m.use_dora or m.name == "dora"
         for name in adapted:
@@ -421,11 +424,18 @@ def estimate_mesh_memory(cfg: RunConfig, arch: Architecture, source: str) -> Mem
         trained = n_layers * layer_trained + ((embed if first else 0) + (head if last else 0)) * full
         gradients, optimizer = trained * 4, trained * optimizer_per_param
         gathered = 0.0
+        held = n_layers if not p.reshard_after_forward else min(2, n_layers)
         if dp_shard > 1:
             weights, gradients, optimizer = weights / dp_shard, gradients / dp_shard, optimizer / dp_shard
-            held = n_layers if not p.reshard_after_forward else min(2, n_layers)
             root = ((embed if first else 0) + (head if last else 0)) * base_bytes
             gathered = (held * layer_weights + root) * (dp_shard - 1) / dp_shard
+        expert_weights, expert_trained = n_layers * layer_experts * base_bytes, n_layers * layer_experts * full
+        weights += expert_weights / expert_fsdp
+        gradients += expert_trained * 4 / expert_fsdp
+        optimizer += expert_trained * optimizer_per_param / expert_fsdp
+        # FSDP gathers a held layer's experts over the ranks that share them (efsdp under ep, else dp_shard)
+        sharing = shape.efsdp if shape.ep > 1 else dp_shard
+        gathered += held * layer_experts * base_bytes * (sharing - 1) / expert_fsdp
         in_flight = in_flight_microbatches(p.pp_schedule, shape.pp, m_batches, per_rank, pp_rank)
         if t.gradient_checkpointing:
             act = in_flight * n_layers * tokens * arch.hidden * stream_dtype + layer_act

@@ -233,7 +233,7 @@ def run_job(job: dict, rank: int, world: int, common: list) -> dict:
         runner.create_backend, runner.StopRequest = create_backend, stop_request
         memory.close()
     record = {**measure(seen["engine"], seen["model"], rank, world, seen.get("grad"), seen["compute_dtypes"]),
-              "interrupted": interrupted}
+              "rank": rank, "interrupted": interrupted}
     if hasattr(getattr(seen["engine"], "backend", None), "shape"):
         record["mesh"] = mesh_evidence(seen["engine"], seen["model"])
     if job.get("memory"):

@@ -37,10 +37,12 @@ def reset_peak() -> None:
 @contextlib.contextmanager
 def training_memory(runner, metrics_logger):
     """While active, every training run through ``runner`` fills the yielded dict: "before", the resident set
-    when the model starts to build (the high-water mark reset there), and "peak", the high-water mark when
-    the training loop ends (the final save comes after and is not training memory)."""
+    when the model starts to build (the high-water mark reset there), and "peak", the high-water mark of the
+    training itself: at the end of the loop, and before each checkpoint (whose gathered copy of the weights is
+    host memory on a GPU machine, and is not training memory; the mark is reset after it), the larger.
+    The final save comes after the loop and is not counted either."""
     marks = {}
-    real_create_method, real_close = runner.create_method, metrics_logger.close
+    real_create_method, real_close, real_checkpoint = runner.create_method, metrics_logger.close, runner.save_checkpoint
 
     def create_method(cfg, *args):
         method = real_create_method(cfg, *args)
@@ -49,21 +51,30 @@ def training_memory(runner, metrics_logger):
         def build_model(*args, **kwargs):
             gc.collect()
             marks["before"] = status_bytes("VmRSS")
+            marks["peak"] = 0
             reset_peak()
             return real_build(*args, **kwargs)
 
         method.build_model = build_model
         return method
 
+    def save_checkpoint(*args, **kwargs):
+        marks["peak"] = max(marks.get("peak", 0), status_bytes("VmHWM"))
+        try:
+            return real_checkpoint(*args, **kwargs)
+        finally:
+            gc.collect()
+            reset_peak()
+
     def close(self):
-        marks["peak"] = status_bytes("VmHWM")
+        marks["peak"] = max(marks.get("peak", 0), status_bytes("VmHWM"))
         real_close(self)
 
-    runner.create_method, metrics_logger.close = create_method, close
+    runner.create_method, metrics_logger.close, runner.save_checkpoint = create_method, close, save_checkpoint
     try:
         yield marks
     finally:
-        runner.create_method, metrics_logger.close = real_create_method, real_close
+        runner.create_method, metrics_logger.close, runner.save_checkpoint = real_create_method, real_close, real_checkpoint
 
 
 def main() -> None:

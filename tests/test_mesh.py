@@ -103,29 +103,44 @@ MESH2 = ["parallel=mesh", "parallel.nproc_per_node=2"]
 WORDS = "alpha beta gamma delta epsilon zeta theta kappa lambda sigma omega".split()
 
 
-def memory_workload(root: Path) -> list:
-    """Overrides for the memory jobs: a 4-layer, 256-wide Llama and examples longer than max_seq_len (full micro-batches)."""
-    from ftctl.models.tiny import build_tiny_llama
+def memory_workload(root: Path) -> dict:
+    """Overrides for the memory jobs by model: 4-layer, 256-wide models and examples longer than max_seq_len (full micro-batches)."""
+    from ftctl.models.tiny import build_tiny_model
 
-    model = build_tiny_llama(root / "memory_model", num_layers=4, hidden_size=256, num_heads=4, num_kv_heads=2,
-                             intermediate_size=768, vocab_size=512)
+    shape = dict(num_layers=4, hidden_size=256, num_heads=4, num_kv_heads=2, intermediate_size=768, vocab_size=512)
+    models = {family: build_tiny_model(family, root / f"memory_{family}", **shape) for family in ("llama", "mixtral")}
     with open(root / "long.jsonl", "w") as f:
         for k in range(64):
             f.write(json.dumps({"instruction": " ".join(WORDS[(k + j) % 11] for j in range(20)), "input": "",
                                 "output": " ".join(WORDS[(k * 3 + j) % 11] for j in range(200))}) + "\n")
-    return [f"model.name_or_path={model}", f"data.path={root / 'long.jsonl'}", "train.max_steps=2", "train.micro_batch_size=4",
-            "train.global_batch_size=16"]
+    common = [f"data.path={root / 'long.jsonl'}", "train.max_steps=2", "train.micro_batch_size=4", "train.global_batch_size=16"]
+    return {family: [f"model.name_or_path={path}", *common] for family, path in models.items()}
 
 
-MEMORY_JOBS = {"memory-tp-full": ["parallel=tp", "method=full"], "memory-pp-full": ["parallel=pp", "method=full"],
-               "memory-tp-lora": ["parallel=tp", "method=lora"]}
+#: Per-rank memory, measured against the estimate: (processes, model, overrides) by job id.
+MESH4 = ["parallel=mesh", "parallel.nproc_per_node=4"]
+MEMORY_JOBS = {
+    "memory-tp-full": (2, "llama", ["parallel=tp", "method=full"]),
+    "memory-tp-lora": (2, "llama", ["parallel=tp", "method=lora"]),
+    "memory-pp-full": (2, "llama", ["parallel=pp", "method=full"]),
+    "memory-ep-full": (2, "mixtral", [*MESH2, "parallel.ep_size=2", "method=full"]),
+    "memory-fsdp_tp-full": (4, "llama", ["parallel=fsdp_tp", "method=full"]),
+    "memory-tp_pp-full": (4, "llama", [*MESH4, "parallel.tp_size=2", "parallel.pp_size=2", "method=full"]),
+    "memory-fsdp_pp-full": (4, "llama", [*MESH4, "parallel.pp_size=2", "method=full"]),
+    "memory-3d-full": (8, "llama", ["parallel=3d", "method=full"]),
+}
+
+
+def memory_jobs(world: int, root: Path) -> list:
+    workload = memory_workload(root)
+    return [job(name, root, *overrides, *workload[model], memory=True)
+            for name, (processes, model, overrides) in MEMORY_JOBS.items() if processes == world]
 
 
 @pytest.fixture(scope="module")
 def two(common, models, references, tmp_path_factory):
     """2 processes: tp, pp with each schedule, ep, QLoRA in a pipeline, resumes, and per-rank memory."""
     root = tmp_path_factory.mktemp("mesh2")
-    workload = memory_workload(root)
     jobs = [
         job("tp-full", root, "parallel=tp", "method=full"),
         # all-linear: o_proj and down_proj are row splits. Stopped after step 2 as by a SIGTERM (a checkpoint,
@@ -144,22 +159,20 @@ def two(common, models, references, tmp_path_factory):
         job("pp-qlora", root, "parallel=pp", "method=qlora"),
         job("pp-resume", root, "parallel=pp", "method=full", "data.eval_fraction=0.125", stop_after_step=2),
         {**job("pp-resume", root, "parallel=pp", "method=full", "data.eval_fraction=0.125", "resume=auto"), "id": "pp-resumed"},
-        *[job(name, root, *overrides, *workload, memory=True) for name, overrides in MEMORY_JOBS.items()],
+        *memory_jobs(2, root),
     ]
-    evidence = launch(2, jobs, common, root)
-    evidence["workload"] = workload
-    return evidence, root
+    return launch(2, jobs, common, root), root
 
 
 @pytest.fixture(scope="module")
 def four(common, references, tmp_path_factory):
     """4 processes: the 2-D meshes."""
     root = tmp_path_factory.mktemp("mesh4")
-    mesh4 = ["parallel=mesh", "parallel.nproc_per_node=4"]
     jobs = [
         job("fsdp_tp-lora", root, "parallel=fsdp_tp", "method=lora"),
-        job("tp_pp-lora", root, *mesh4, "parallel.tp_size=2", "parallel.pp_size=2", "method=lora"),
-        job("fsdp_pp-full", root, *mesh4, "parallel.pp_size=2", "method=full"),
+        job("tp_pp-lora", root, *MESH4, "parallel.tp_size=2", "parallel.pp_size=2", "method=lora"),
+        job("fsdp_pp-full", root, *MESH4, "parallel.pp_size=2", "method=full"),
+        *memory_jobs(4, root),
     ]
     return launch(4, jobs, common, root), root
 
@@ -172,6 +185,7 @@ def eight(common, references, tmp_path_factory):
         job("3d-lora", root, "parallel=3d", "method=lora"),
         job("3d-resume", root, "parallel=3d", "method=full", stop_after_step=2),
         {**job("3d-resume", root, "parallel=3d", "method=full", "resume=auto"), "id": "3d-resumed"},
+        *memory_jobs(8, root),
     ]
     return launch(8, jobs, common, root), root
 
@@ -269,22 +283,28 @@ def test_a_stopped_run_resumes_exactly(two, references, job_id, reference):
         assert _eval_loss(run) == pytest.approx(_eval_loss(references[reference]), rel=RTOL)
 
 
-def test_estimate_matches_each_ranks_measured_memory(two, common):
-    """The per-rank estimate (each pipeline rank's own) within 25 % of the process memory each rank added
-    from building the model to the end of training (4-layer, 256-wide Llama, 4 × 128 tokens a micro-batch)."""
+@pytest.mark.parametrize("world, harness", [(2, "two"), (4, "four"), (8, "eight")])
+def test_estimate_matches_each_ranks_measured_memory(request, common, world, harness):
+    """Each rank's estimate (its pipeline stage's) within 25 % of the process memory the rank added from building
+    the model to the end of training (4-layer, 256-wide Llama or Mixtral, 4 × 128 tokens a micro-batch), every mesh."""
     from ftctl.config.compose import compose_config
     from ftctl.estimate import estimate_for
 
     if not Path("/proc/self/clear_refs").exists():
         pytest.skip("needs Linux /proc to reset the memory high-water mark")
-    evidence, root = two
+    evidence, root = request.getfixturevalue(harness)
+    workload = memory_workload(root / "estimate")
     report = []
-    for name, overrides in MEMORY_JOBS.items():
-        estimate = estimate_for(compose_config([*common, *overrides, *evidence["workload"], f"output_dir={root / name}"]))
-        for r in ranks(two, name):
-            pp = r["mesh"]["coords"]["pp"]
-            expected = estimate.stage_totals_bytes[pp]
-            report.append((f"{name} rank {r['mesh']['coords']}: estimate {expected / 2**20:.1f} MiB, measured "
+    for name, (processes, model, overrides) in MEMORY_JOBS.items():
+        if processes != world:
+            continue
+        estimate = estimate_for(compose_config([*common, *overrides, *workload[model], f"output_dir={root / name}"]))
+        for r in ranks((evidence, root), name):
+            coords = r["mesh"]["coords"]
+            expected = estimate.stage_totals_bytes[coords["pp"]]
+            split = [part.split()[0] for part in r["mesh"]["mesh"].split(" (")[0].split(" × ")]  # the axes above 1
+            where = " ".join(f"{axis} {coords[axis]}" for axis in split)
+            report.append((f"{name} rank {r['rank']} ({where}): estimate {expected / 2**20:.1f} MiB, measured "
                            f"{r['memory_increase'] / 2**20:.1f} MiB", expected / r["memory_increase"]))
     print("\n".join(f"{line}, ratio {ratio:.2f}" for line, ratio in report))
     for line, ratio in report:
@@ -394,7 +414,8 @@ def test_killing_one_tensor_parallel_rank_stops_the_others_in_one_line_and_resum
     started = time.monotonic()
     resumed = subprocess.run([sys.executable, "-m", "ftctl", "train", *args, "resume=auto"], capture_output=True, text=True, timeout=300)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert f"{newest.name} is damaged" in resumed.stderr and f"continuing from {previous.name}" in resumed.stderr, resumed.stderr[-3000:]
+    said = resumed.stdout + resumed.stderr
+    assert f"{newest.name} is damaged" in said and f"continuing from {previous.name}" in said, said[-3000:]
     print(f"resumed from {previous.name} in {time.monotonic() - started:.1f} s")
     from ftctl.config.compose import compose_config
     from ftctl.training.run_dir import prepare_run_dir
