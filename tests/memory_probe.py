@@ -102,8 +102,6 @@ def main() -> None:
     from ftctl.training.metrics import MetricsLogger
     from ftctl.training.run_dir import prepare_run_dir
 
-    marks = training_memory(runner, MetricsLogger).__enter__()  # for the rest of this process
-
     base = [
         "recipe=tiny_lora", f"model.name_or_path={model_dir}", "precision=fp32", f"data.path={data}",
         "data.max_seq_len=128", "data.train_on_prompt=true", "train.micro_batch_size=4", "train.global_batch_size=8",
@@ -112,18 +110,19 @@ def main() -> None:
     ]
     warm_up = "method=lora train.max_steps=1 train.micro_batch_size=2 train.global_batch_size=2 data.max_seq_len=64"
     configs = [warm_up] + sys.argv[2:]
-    for i, extra in enumerate(configs):
-        cfg = compose_config(base + [f"output_dir={work / f'run{i}'}"] + extra.split())
-        estimate = estimate_for(cfg)
-        runner.train(cfg, prepare_run_dir(cfg))
-        gc.collect()
-        if i == 0:
-            continue
-        print(json.dumps({
-            "config": extra,
-            "measured_increase": marks["peak"] - marks["before"],
-            "estimate": estimate.to_dict(),
-        }), flush=True)
+    with training_memory(runner, MetricsLogger) as marks:
+        for i, extra in enumerate(configs):
+            cfg = compose_config(base + [f"output_dir={work / f'run{i}'}"] + extra.split())
+            estimate = estimate_for(cfg)
+            runner.train(cfg, prepare_run_dir(cfg))
+            gc.collect()
+            if i == 0:
+                continue
+            print(json.dumps({
+                "config": extra,
+                "measured_increase": marks["peak"] - marks["before"],
+                "estimate": estimate.to_dict(),
+            }), flush=True)
 
 
 if __name__ == "__main__":
