@@ -93,8 +93,20 @@ def launch(world: int, jobs: list, common: list, root: Path) -> dict:
     return launch_harness(world, common, jobs, root, HARNESS_TIMEOUT, env={"MALLOC_MMAP_THRESHOLD_": "131072"})
 
 
+def launch_jobs(world: int, common: list, tmp_path_factory, jobs_in) -> tuple:
+    """``jobs_in(root)`` and the memory jobs of this many processes in one launch: (evidence, root)."""
+    root = tmp_path_factory.mktemp(f"mesh{world}")
+    return launch(world, [*jobs_in(root), *memory_jobs(world, root)], common, root), root
+
+
 def job(job_id, root, *overrides, **extra):
     return {"id": job_id, "overrides": [*overrides, f"output_dir={root / job_id}"], **extra}
+
+
+def stopped_and_resumed(job_id, root, *overrides) -> list:
+    """The job stopped after step 2 as by a SIGTERM (a checkpoint, then exit), then resumed in place: one curve."""
+    return [job(job_id, root, *overrides, stop_after_step=2),
+            {**job(job_id, root, *overrides, "resume=auto"), "id": f"{job_id}-resumed"}]
 
 
 MESH2 = ["parallel=mesh", "parallel.nproc_per_node=2"]
@@ -140,13 +152,11 @@ def memory_jobs(world: int, root: Path) -> list:
 @pytest.fixture(scope="module")
 def two(common, models, references, tmp_path_factory):
     """2 processes: tp, pp with each schedule, ep, QLoRA in a pipeline, resumes, and per-rank memory."""
-    root = tmp_path_factory.mktemp("mesh2")
-    jobs = [
+    return launch_jobs(2, common, tmp_path_factory, lambda root: [
         job("tp-full", root, "parallel=tp", "method=full"),
         # all-linear: o_proj and down_proj are row splits. Stopped after step 2 as by a SIGTERM (a checkpoint,
         # then exit), then resumed in place: the curve is still one process's.
-        job("tp-lora", root, "parallel=tp", "method=lora", stop_after_step=2),
-        {**job("tp-lora", root, "parallel=tp", "method=lora", "resume=auto"), "id": "tp-lora-resumed"},
+        *stopped_and_resumed("tp-lora", root, "parallel=tp", "method=lora"),
         job("tp-dora", root, "parallel=tp", "method=dora"),
         job("tp-tied", root, "parallel=tp", "method=full", f"model.name_or_path={models['tied']}"),
         # 2 micro-batches of 4 rows a step, not the 4 micro-batches of 2 that gradient accumulation would give
@@ -157,37 +167,27 @@ def two(common, models, references, tmp_path_factory):
         job("ep-mixtral", root, *MESH2, "parallel.ep_size=2", "method=full", f"model.name_or_path={models['mixtral']}"),
         job("ep-qwen3_moe", root, *MESH2, "parallel.ep_size=2", "method=lora", ATTENTION, f"model.name_or_path={models['qwen3_moe']}"),
         job("pp-qlora", root, "parallel=pp", "method=qlora"),
-        job("pp-resume", root, "parallel=pp", "method=full", "data.eval_fraction=0.125", stop_after_step=2),
-        {**job("pp-resume", root, "parallel=pp", "method=full", "data.eval_fraction=0.125", "resume=auto"), "id": "pp-resumed"},
-        *memory_jobs(2, root),
-    ]
-    return launch(2, jobs, common, root), root
+        *stopped_and_resumed("pp-resume", root, "parallel=pp", "method=full", "data.eval_fraction=0.125"),
+    ])
 
 
 @pytest.fixture(scope="module")
 def four(common, references, tmp_path_factory):
     """4 processes: the 2-D meshes."""
-    root = tmp_path_factory.mktemp("mesh4")
-    jobs = [
+    return launch_jobs(4, common, tmp_path_factory, lambda root: [
         job("fsdp_tp-lora", root, "parallel=fsdp_tp", "method=lora"),
         job("tp_pp-lora", root, *MESH4, "parallel.tp_size=2", "parallel.pp_size=2", "method=lora"),
         job("fsdp_pp-full", root, *MESH4, "parallel.pp_size=2", "method=full"),
-        *memory_jobs(4, root),
-    ]
-    return launch(4, jobs, common, root), root
+    ])
 
 
 @pytest.fixture(scope="module")
 def eight(common, references, tmp_path_factory):
     """8 processes: pp 2 × dp_shard 2 × tp 2, trained, and stopped then resumed."""
-    root = tmp_path_factory.mktemp("mesh8")
-    jobs = [
+    return launch_jobs(8, common, tmp_path_factory, lambda root: [
         job("3d-lora", root, "parallel=3d", "method=lora"),
-        job("3d-resume", root, "parallel=3d", "method=full", stop_after_step=2),
-        {**job("3d-resume", root, "parallel=3d", "method=full", "resume=auto"), "id": "3d-resumed"},
-        *memory_jobs(8, root),
-    ]
-    return launch(8, jobs, common, root), root
+        *stopped_and_resumed("3d-resume", root, "parallel=3d", "method=full"),
+    ])
 
 
 def curve_gap(harness, job_id, reference):
