@@ -201,7 +201,10 @@ def run_job(job: dict, rank: int, world: int, common: list) -> dict:
             def recording_step(max_grad_norm, sync):
                 if "grad" not in seen:  # what this rank holds of the gradients when the optimizer runs
                     seen["grad"] = sum(local_numel(p.grad) for p in model.parameters() if p.grad is not None)
-                return step(max_grad_norm, sync)
+                with counted_collectives() as calls:
+                    result = step(max_grad_norm, sync)
+                seen.setdefault("step_collectives", []).append(len(calls))
+                return result
 
             engine.step = recording_step
             seen["engine"], seen["model"] = engine, model
@@ -220,6 +223,15 @@ def run_job(job: dict, rank: int, world: int, common: list) -> dict:
 
         marks = memory.enter_context(training_memory(runner, runner.MetricsLogger))
     runner.create_backend = recording_backend
+    train_step = runner.train_step
+
+    def recording_train_step(*args, **kwargs):  # torch.distributed's all-reduces of a whole step (TP's are functional)
+        with counted_collectives() as calls:
+            outcome = train_step(*args, **kwargs)
+        seen.setdefault("step_all_reduces", []).append(calls.count("distributed.all_reduce"))
+        return outcome
+
+    runner.train_step = recording_train_step
     if job.get("stop_after_step"):
         runner.StopRequest = StopAfterSteps(stop_request, job["stop_after_step"])
     interrupted = False
@@ -230,7 +242,7 @@ def run_job(job: dict, rank: int, world: int, common: list) -> dict:
             raise
         interrupted = True
     finally:
-        runner.create_backend, runner.StopRequest = create_backend, stop_request
+        runner.create_backend, runner.StopRequest, runner.train_step = create_backend, stop_request, train_step
         memory.close()
     record = {**measure(seen["engine"], seen["model"], rank, world, seen.get("grad"), seen["compute_dtypes"]),
               "rank": rank, "interrupted": interrupted}
@@ -238,7 +250,31 @@ def run_job(job: dict, rank: int, world: int, common: list) -> dict:
         record["mesh"] = mesh_evidence(seen["engine"], seen["model"])
     if job.get("memory"):
         record["memory_increase"] = marks["peak"] - marks["before"]
+    record["step_collectives"], record["step_all_reduces"] = seen.get("step_collectives", []), seen.get("step_all_reduces", [])
     return record
+
+
+@contextlib.contextmanager
+def counted_collectives():
+    """The collectives called while active, as 'distributed.all_reduce' (torch.distributed's) or
+    'functional_collectives.all_reduce' (those DTensors use)."""
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+
+    calls = []
+    patched = [(module, name) for module, names in ((dist, ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor",
+                                                             "all_gather_object", "broadcast", "send", "recv")),
+                                                    (funcol, ("all_reduce", "all_gather_tensor", "reduce_scatter_tensor", "all_to_all_single")))
+               for name in names if hasattr(module, name)]
+    originals = [getattr(module, name) for module, name in patched]
+    for (module, name), real in zip(patched, originals):
+        label = f"{module.__name__.rsplit('.', 1)[-1].lstrip('_')}.{name}"
+        setattr(module, name, lambda *a, _real=real, _name=label, **k: (calls.append(_name), _real(*a, **k))[1])
+    try:
+        yield calls
+    finally:
+        for (module, name), real in zip(patched, originals):
+            setattr(module, name, real)
 
 
 def launch(world: int, common: list, jobs: list, root: Path, timeout: int = 900, env: Optional[dict] = None) -> dict:

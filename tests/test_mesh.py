@@ -191,7 +191,14 @@ def eight(common, references, tmp_path_factory):
 
 
 def curve_gap(harness, job_id, reference):
+    """The largest relative gap in a step's loss or gradient norm, after checking that each step of each rank
+    reduced once: the optimizer step's only collective is the step's one all-reduce, which carries the gradient
+    norm's shares, and no other all-reduce runs in the step (TP's are functional, a pipeline's transfers
+    point to point, FSDP's reduce-scatters; HSDP would add its replicas' all-reduces)."""
     _, root = harness
+    for r in ranks(harness, job_id):
+        assert r["step_collectives"] and set(r["step_collectives"]) == {1}, (job_id, r["step_collectives"])
+        assert set(r["step_all_reduces"]) == {1}, (job_id, r["step_all_reduces"])
     return max_relative_curve_difference(root / job_id, reference)
 
 
