@@ -5,12 +5,18 @@ from a json, jsonl or parquet row, or a dataset's row) into a list of messages `
 system|user|assistant, "content": str}``, or, for a ``plain_text`` format, into one document. To add a format, drop a module into this folder (it is imported by name on
 first use) or expose one from your own package under the ``ftctl.data_formats`` entry-point group;
 the runner never changes.
+
+Preference objectives (``objective=dpo``, simpo, orpo, kto) read records through :meth:`DataFormat.to_pair`
+(a prompt and two answers, the first preferred) or :meth:`DataFormat.to_unpaired` (KTO: a prompt, one
+answer and whether it is desirable). A format says which of the three readings it offers with
+``gives_conversations``, ``gives_pairs`` and ``gives_unpaired``.
 """
 
 from __future__ import annotations
 
 import importlib
 import pkgutil
+from dataclasses import dataclass
 from typing import Any, Dict, List, Tuple, Type
 
 Message = Dict[str, str]
@@ -19,6 +25,24 @@ ROLES = ("system", "user", "assistant")
 
 class FormatError(ValueError):
     """A record that does not match its declared format; the loader adds file and line."""
+
+
+@dataclass
+class PreferencePair:
+    """One prompt (a conversation ending in a user turn) and two answers to it, ``chosen`` preferred."""
+
+    prompt: List[Message]
+    chosen: str
+    rejected: str
+
+
+@dataclass
+class LabelledAnswer:
+    """KTO's unpaired example: one answer to ``prompt`` and whether it is desirable."""
+
+    prompt: List[Message]
+    answer: str
+    desirable: bool
 
 
 class DataFormat:
@@ -30,9 +54,20 @@ class DataFormat:
     #: True for documents rather than conversations (continued pretraining): :meth:`to_text` gives
     #: the text, every token of which trains; no chat template applies.
     plain_text: bool = False
+    #: Which readings the format offers: conversations to train with SFT (:meth:`to_messages`, or
+    #: :meth:`to_text`), preference pairs (:meth:`to_pair`), KTO's labelled answers (:meth:`to_unpaired`).
+    gives_conversations: bool = True
+    gives_pairs: bool = False
+    gives_unpaired: bool = False
 
     def to_messages(self, record: Dict[str, Any]) -> List[Message]:
         raise NotImplementedError
+
+    def to_pair(self, record: Dict[str, Any]) -> PreferencePair:
+        raise FormatError(f"data.format={self.name} holds no preference pairs (prompt, chosen, rejected)")
+
+    def to_unpaired(self, record: Dict[str, Any]) -> LabelledAnswer:
+        raise FormatError(f"data.format={self.name} holds no labelled answers (prompt, completion, label)")
 
     def to_text(self, record: Dict[str, Any]) -> str:
         raise NotImplementedError

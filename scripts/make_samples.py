@@ -54,14 +54,48 @@ def sharegpt(rng: random.Random, n: int):
     return rows
 
 
+def preference_pairs(rng: random.Random, n: int):
+    """{prompt, chosen, rejected}: the right answer and a plausible wrong one (samples/preference/, kept out of
+    the tiny tokenizer's training text, which reads the top-level samples only)."""
+    rows = []
+    for _ in range(n):
+        kind = rng.choice(["add", "reverse", "plural"])
+        if kind == "add":
+            a, b = rng.randint(1, 50), rng.randint(1, 50)
+            rows.append({"prompt": f"Add the two numbers: {a} + {b}", "chosen": str(a + b), "rejected": str(a + b + rng.choice([-2, -1, 1, 10]))})
+        elif kind == "reverse":
+            word = rng.choice(ANIMALS + COLOURS)
+            rows.append({"prompt": f"Reverse the word: {word}", "chosen": word[::-1], "rejected": word})
+        else:
+            word = rng.choice(ANIMALS)
+            rows.append({"prompt": f"Give the plural of '{word}'.", "chosen": word + "s", "rejected": word + "es"})
+    return rows
+
+
+def kto_examples(pairs):
+    """KTO's unpaired form of the same data: each pair's answers as a desirable and an undesirable completion."""
+    rows = []
+    for i, pair in enumerate(pairs):
+        rows.append({"prompt": pair["prompt"], "completion": pair["chosen"] if i % 3 else pair["rejected"], "label": bool(i % 3)})
+    return rows
+
+
+def write(path: Path, rows) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+    print(f"wrote {len(rows)} rows to {path}")
+
+
 def main() -> None:
     OUT.mkdir(parents=True, exist_ok=True)
     rng = random.Random(1234)
     for name, rows in (("alpaca_sample.jsonl", alpaca(rng, 64)), ("sharegpt_sample.jsonl", sharegpt(rng, 32))):
-        with open(OUT / name, "w") as f:
-            for row in rows:
-                f.write(json.dumps(row) + "\n")
-        print(f"wrote {len(rows)} rows to {OUT / name}")
+        write(OUT / name, rows)
+    pairs = preference_pairs(random.Random(4321), 64)
+    write(OUT / "preference" / "pairs_sample.jsonl", pairs)
+    write(OUT / "preference" / "kto_sample.jsonl", kto_examples(pairs))
 
 
 if __name__ == "__main__":

@@ -130,6 +130,9 @@ class MicroBatch:
     # here on the host, because selecting them on the device with a boolean mask reads its count back.
     loss_positions: Optional["torch.Tensor"] = None  # noqa: F821
     loss_targets: Optional["torch.Tensor"] = None  # noqa: F821
+    # Packed only: which of the micro-batch's examples each row holds, in row order (a packed row's
+    # examples are not in input order), so per-example results can be told apart.
+    packed_rows: Optional[Tuple[Tuple[int, ...], ...]] = None
 
     def model_inputs(self, device, packed_kernel: Optional[str] = None) -> Dict[str, "torch.Tensor"]:  # noqa: F821
         """The model's keyword inputs on ``device``; ``packed_kernel``: the packed attention the model runs, if any."""
@@ -261,6 +264,7 @@ def pack_examples(examples: Sequence, row_len: int, pad_token_id: int, pad_to_mu
         position_ids=torch.from_numpy(positions), positions=ids.size,
         cu_seq_lens=torch.from_numpy(np.concatenate([[0], np.cumsum(spans)]).astype(np.int32)),
         row_lengths=tuple(row_lengths), longest_span=max(spans), loss_positions=loss_positions, loss_targets=loss_targets,
+        packed_rows=tuple(tuple(row) for row in rows),
     )
 
 
