@@ -119,9 +119,24 @@ def guess_format(record: Dict[str, Any]) -> List[str]:
 AUTO = "auto"
 
 
-def detect_format(record: Dict[str, Any]) -> Tuple[str, str]:
+#: The readings of a record (:class:`DataFormat`): SFT conversations, preference pairs, KTO's labelled answers.
+CONVERSATIONS, PAIRS, UNPAIRED = "conversations", "pairs", "unpaired"
+_OWN_FORMAT = {PAIRS: "preference", UNPAIRED: "kto"}  # whose converter names what a record of that reading lacks
+
+
+def detect_format(record: Dict[str, Any], reading: str = CONVERSATIONS) -> Tuple[str, str]:
     """(format, why) for ``data.format=auto``: the first format (by name) that the record looks like and
-    converts; else the first it looks like, whose converter then names what is wrong with it."""
+    converts; else the first it looks like, whose converter then names what is wrong with it.
+
+    ``reading`` pairs or unpaired (preference objectives): among the formats that offer it, those that read
+    the record, the ones it looks like first; else the one it looks like, or the reading's own format."""
+    if reading != CONVERSATIONS:
+        offering = [name for name in available() if _offers(name, reading)]
+        looks = [name for name in guess_format(record) if name in offering]
+        readable = sorted((name for name in offering if _converts(name, record, reading)), key=lambda name: name not in looks)
+        name = (readable or looks or [_OWN_FORMAT[reading]])[0]
+        why = f"its first record reads as {reading} in it" if readable else "no format reads its first record"
+        return name, why + (f"; it reads as {', '.join(readable[1:])} too" if len(readable) > 1 else "")
     looks = guess_format(record)
     readable = [name for name in looks if _converts(name, record)] or looks
     if not readable:
@@ -134,10 +149,20 @@ def detect_format(record: Dict[str, Any]) -> Tuple[str, str]:
     return name, why + (f"; it reads as {', '.join(readable[1:])} too" if len(readable) > 1 else "")
 
 
-def _converts(name: str, record: Dict[str, Any]) -> bool:
+def _offers(name: str, reading: str) -> bool:
+    fmt = _REGISTRY[name]
+    return {CONVERSATIONS: fmt.gives_conversations, PAIRS: fmt.gives_pairs, UNPAIRED: fmt.gives_unpaired}[reading]
+
+
+def _converts(name: str, record: Dict[str, Any], reading: str = CONVERSATIONS) -> bool:
     fmt = _REGISTRY[name]()
     try:
-        fmt.to_text(record) if fmt.plain_text else fmt.to_messages(record)
+        if reading == PAIRS:
+            fmt.to_pair(record)
+        elif reading == UNPAIRED:
+            fmt.to_unpaired(record)
+        else:
+            fmt.to_text(record) if fmt.plain_text else fmt.to_messages(record)
     except FormatError:
         return False
     return True

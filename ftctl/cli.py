@@ -22,7 +22,7 @@ commands:
   recipes        list the recipe presets: ftctl recipes [show NAME | cp NAME FILE]
   estimate       memory per rank by part: ftctl estimate recipe=NAME [key=value ...] [--json]
   models         list the built-in model aliases: ftctl models [--prepare NAME | --rebuild NAME]
-  eval           score held-out data or harness tasks: ftctl eval model=NAME data.path=SOURCE [adapter=DIR] [metric=M] [harness=TASK]
+  eval           score held-out data or harness tasks (preference pairs: reward accuracy): ftctl eval model=NAME data.path=SOURCE [adapter=DIR] [metric=M] [harness=TASK]
   config-docs    every config key with its type, default and meaning
   data preview   show rendered examples with trained spans marked: ftctl data preview recipe=NAME n=3
   merge          fold an adapter into its base: ftctl merge adapter=DIR output=DIR [base=DIR] [dtype=float32]
@@ -210,6 +210,12 @@ def cmd_eval(args) -> int:
     from ftctl.evaluation.evaluate import request_from_overrides
 
     request = request_from_overrides(args.overrides, args.config)
+    from ftctl.evaluation.preference import describe, is_preference_eval, run_preference_eval
+
+    if is_preference_eval(request.data_path, request.data_format):  # pairs: reward accuracy, not generation
+        summary = run_preference_eval(request)
+        print(f"{describe(summary)} -> {request.output}/eval.json")
+        return 0
     from ftctl.evaluation.evaluate import run_eval
 
     result = run_eval(request)

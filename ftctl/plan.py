@@ -35,6 +35,7 @@ def describe_run(cfg: RunConfig) -> str:
         "plan (dry run: nothing is loaded, trained or written)",
         f"  model      {cfg.model.name_or_path}",
         f"  method     {method}",
+        f"  objective  {_objective(cfg)}",
         f"  parallel   {p.name} × {world} process{'es' if world > 1 else ''} ({p.nproc_per_node} per node × {p.nnodes} node{'s' if p.nnodes > 1 else ''})",
         f"  precision  {precision}",
         f"  data       {_data_sources(d)} (max_seq_len {d.max_seq_len}, {'packed' if d.packing else 'padded'} micro-batches"
@@ -87,6 +88,21 @@ def _evals(cfg) -> list:
     extra = ([f"best/ by {t.best_metric}"] if t.keep_best else []) + (
         [f"early stopping after {t.early_stopping_patience} evals without a better {t.best_metric}"] if t.early_stopping_patience else [])
     return [f"  evals      {', '.join(keys)} {when}" + (f"; {'; '.join(extra)}" if extra else "")]
+def _objective(cfg: RunConfig) -> str:
+    o = cfg.objective
+    if o.name == "sft":
+        return "sft (next-token cross-entropy on the answers)"
+    settings = {"dpo": f"{o.loss_type}, beta {o.beta:g}" + (f", label_smoothing {o.label_smoothing:g}" if o.label_smoothing else ""),
+                "simpo": f"beta {o.beta:g}, gamma {o.gamma:g}", "orpo": f"lambda {o.orpo_lambda:g}",
+                "kto": f"beta {o.beta:g}, weights {o.desirable_weight:g}/{o.undesirable_weight:g}"}[o.name]
+    if o.sft_weight:
+        settings += f", sft_weight {o.sft_weight:g}"
+    if o.name in ("dpo", "kto"):
+        fresh = cfg.method.name != "full" and not cfg.model.adapter
+        reference = "precomputed once and cached" if o.precompute_reference else (
+            "the model with its adapter disabled" if fresh else "a frozen copy of the starting model")
+        settings += f"; reference: {reference}"
+    return f"{o.name} ({settings})"
 
 
 def _length(t) -> str:

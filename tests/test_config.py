@@ -46,7 +46,11 @@ def _chosen(cfg, group):
     return getattr(cfg, group).name
 
 
-@pytest.mark.parametrize("group", ["model", "method", "parallel", "precision", "data"])
+#: Data options that hold preference data compose with an objective that reads it.
+PREFERENCE_DATA = {"preference_sample": "objective=dpo", "kto_sample": "objective=kto"}
+
+
+@pytest.mark.parametrize("group", ["model", "method", "parallel", "precision", "data", "objective"])
 def test_every_group_option_composes(group):
     chosen = {}
     for option in group_options(group):
@@ -54,9 +58,11 @@ def test_every_group_option_composes(group):
         mesh_preset = group == "parallel" and option in ("tp", "pp", "fsdp_tp", "3d")  # their own process counts
         if group == "parallel" and option != "single" and not mesh_preset:
             overrides.append("parallel.nproc_per_node=2")
+        if group == "data" and option in PREFERENCE_DATA:
+            overrides.append(PREFERENCE_DATA[option])
         cfg = compose_config(overrides)
         chosen[option] = _chosen(cfg, group)
-        if group in ("method", "parallel", "precision") and not mesh_preset:
+        if group in ("method", "parallel", "precision", "objective") and not mesh_preset:
             assert chosen[option] == option or option == "mesh" and chosen[option].startswith("mesh")  # the option file names what it selects
     assert len(set(chosen.values())) == len(chosen), f"two {group} options select the same thing: {chosen}"
 

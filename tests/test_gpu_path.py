@@ -368,9 +368,9 @@ def test_a_step_reduces_once_and_reads_once(make_cfg, run_training, monkeypatch,
 
 def test_the_watch_sees_a_host_read(make_cfg, run_training, micro_batch_loop_watch, monkeypatch, on_cpu):
     """The watch above can fail: the loss read back per micro-batch, as the loop once did, is seen."""
-    from ftctl.training import runner
+    from ftctl.objectives import base as sft
 
-    real = runner.token_loss_sum
+    real = sft.token_loss_sum
 
     def reads_back(module, batch, device):
         loss = real(module, batch, device)
@@ -378,7 +378,7 @@ def test_the_watch_sees_a_host_read(make_cfg, run_training, micro_batch_loop_wat
         float(loss)
         return loss
 
-    monkeypatch.setattr(runner, "token_loss_sum", reads_back)
+    monkeypatch.setattr(sft, "token_loss_sum", reads_back)
     run_training(make_cfg(*COMMON, "data.packing=true"))
     assert "cpu" in micro_batch_loop_watch.seen and "_local_scalar_dense.default" in micro_batch_loop_watch.seen
 

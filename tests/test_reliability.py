@@ -269,16 +269,16 @@ def test_directories_that_are_not_runs_are_refused_and_left_alone(make_cfg, tmp_
 
 
 def test_nan_stops_with_the_step_and_keeps_the_last_good_state(make_cfg, run_training, monkeypatch, caplog):
-    import ftctl.training.runner as runner
+    import ftctl.objectives.base as sft
 
-    real_loss, calls = runner.token_loss_sum, {"n": 0}
+    real_loss, calls = sft.token_loss_sum, {"n": 0}
 
     def poisoned(module, batch, device):
         calls["n"] += 1
         loss = real_loss(module, batch, device)
         return loss * float("nan") if calls["n"] > 2 * 4 else loss  # 2 micro-batches per step: NaN from step 5
 
-    monkeypatch.setattr(runner, "token_loss_sum", poisoned)
+    monkeypatch.setattr(sft, "token_loss_sum", poisoned)
     with pytest.raises(FtctlError, match=r"step 5: non-finite training.*saved in .*step-4") as info:
         run_training(make_cfg("train.max_steps=8"))
     ckpt = Path(str(info.value).split("saved in ")[1].split(". ")[0])
@@ -288,7 +288,7 @@ def test_nan_stops_with_the_step_and_keeps_the_last_good_state(make_cfg, run_tra
     assert all(torch.isfinite(w).all() for w in weights.values())
 
     calls["n"] = 0
-    monkeypatch.setattr(runner, "token_loss_sum",
+    monkeypatch.setattr(sft, "token_loss_sum",
                         lambda m, b, d: (lambda l: l * float("nan") if calls.__setitem__("n", calls["n"] + 1) or calls["n"] in (5, 6) else l)(real_loss(m, b, d)))
     caplog.set_level(logging.WARNING, logger="ftctl")
     result, metrics = run_training(make_cfg("train.max_steps=5", "train.max_nonfinite_steps=1", "overwrite=true"))

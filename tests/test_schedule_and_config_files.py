@@ -151,7 +151,8 @@ def test_recipes_show_cp_and_train_with_config(capsys, tiny_model_dir, tmp_path)
     assert code == 0
     full = yaml.safe_load(shown)
     assert full["method"]["r"] == 8 and full["train"]["max_steps"] == 30 and full["output_dir"].startswith("runs/${now:")
-    assert set(full) == {"model", "method", "parallel", "precision", "data", "train", "output_dir", "seed", "overwrite", "resume"}
+    assert set(full) == {"model", "method", "parallel", "precision", "data", "objective", "train", "output_dir", "seed", "overwrite",
+                         "resume"}
 
     mine = tmp_path / "elsewhere" / "my.yaml"
     mine.parent.mkdir()
@@ -223,10 +224,13 @@ def test_other_tools_names_point_to_ftctls_key(capsys, override, hint):
     assert code == 2 and hint in err and err.count("\n") == 1
 
 
-@pytest.mark.parametrize("override", ["method=dpo", "method=ORPO", "method=grpo", "method.name=kto"])
-def test_preference_methods_are_refused_not_corrected_to_dora(capsys, override):
+@pytest.mark.parametrize("override, answer", [
+    ("method=dpo", "set objective=dpo"), ("method=ORPO", "set objective=orpo"), ("method.name=kto", "set objective=kto"),
+    ("method=grpo", "RL (PPO, GRPO, RLOO, reward models) is not supported"),
+])
+def test_preference_methods_point_to_the_objective_not_to_dora(capsys, override, answer):
     code, _, err = ftctl(capsys, "train", "recipe=tiny_lora", override, "--cfg")
-    assert code == 2 and "preference tuning and RL" in err and "is not supported" in err
+    assert code == 2 and answer in err and err.count("\n") == 1
     assert "dora'?" not in err
 
 

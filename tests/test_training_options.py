@@ -191,8 +191,9 @@ def _eval_loss_of(model, cfg, model_dir) -> float:
     _, eval_data = build_datasets(cfg.data, tokenizer, cfg.seed)
     backend = SimpleNamespace(rank=0, world_size=1, device=torch.device("cpu"), all_reduce_sum=lambda x: x)
     engine = SimpleNamespace(module=model, optimizer=None)
-    return evaluate(engine, eval_data, Batching.from_config(cfg, tokenizer.pad_token_id), backend,
-                    resolve_precision(cfg.precision, backend.device))
+    loss, _ = evaluate(engine, eval_data, Batching.from_config(cfg, tokenizer.pad_token_id), backend,
+                       resolve_precision(cfg.precision, backend.device))
+    return loss
 
 
 def test_schedule_free_evaluates_and_saves_its_average_and_resumes_exactly(make_cfg, run_training, tmp_path, tiny_model_dir):

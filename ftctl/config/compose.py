@@ -15,11 +15,11 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from ftctl.config.schema import DEFAULT_MAX_STEPS, RunConfig
-from ftctl.config.validate import refuse_unsupported_method, validate
+from ftctl.config.validate import refuse_unknown_objective, refuse_unsupported_method, validate
 from ftctl.errors import ConfigError, did_you_mean
 from ftctl.paths import recipes_dir, samples_dir
 
-GROUPS = ("model", "method", "parallel", "precision", "data", "recipe")
+GROUPS = ("model", "method", "parallel", "precision", "data", "objective", "recipe")
 _SCHEMA_NAME = "ftctl_schema"
 _OVERRIDE = re.compile(r"^(?P<prefix>\+{0,2}|~)(?P<key>[A-Za-z_][\w.@/-]*)(=(?P<value>.*))?$", re.S)
 
@@ -115,6 +115,14 @@ OTHER_TOOLS_NAMES = {
     "output_path": "output_dir", "save_dir": "output_dir", "random_seed": "seed",
     "num_gpus": "parallel.nproc_per_node", "gpus": "parallel.nproc_per_node", "nproc": "parallel.nproc_per_node",
     "chat_template_name": "data.chat_template", "prompt_template": "data.chat_template",
+    "rl": "objective=dpo, simpo, orpo or kto", "stage": "objective=sft, dpo, simpo, orpo or kto",
+    "pref_loss": "objective=dpo objective.loss_type=... (or objective=simpo, orpo)", "pref_beta": "objective.beta",
+    "dpo_beta": "objective.beta", "rl_beta": "objective.beta", "simpo_gamma": "objective.gamma",
+    "cpo_alpha": "objective.sft_weight", "rpo_alpha": "objective.sft_weight", "pref_ftx": "objective.sft_weight",
+    "orpo_alpha": "objective.orpo_lambda", "lambda": "objective.orpo_lambda", "dpo_label_smoothing": "objective.label_smoothing",
+    "kto_desirable_weight": "objective.desirable_weight", "kto_undesirable_weight": "objective.undesirable_weight",
+    "precompute_ref_log_probs": "objective.precompute_reference", "precompute_ref_logps": "objective.precompute_reference",
+    "dpo_loss_type": "objective.loss_type",
     "dtype": "precision=fp32, bf16 or fp16", "torch_dtype": "precision=fp32, bf16 or fp16", "mixed_precision": "precision=bf16 or fp16",
     # The README's "Coming from axolotl, LLaMA-Factory or TRL" table, key for key.
     "lora_target_linear": "method.target_modules=[all-linear]", "train_on_inputs": "data.train_on_prompt",
@@ -165,6 +173,8 @@ def _check_override(raw: str, fields: Dict[str, dataclasses.Field]) -> str:
     if key in GROUPS:
         if key == "method":
             refuse_unsupported_method(f"method={value}", value)
+        if key == "objective":
+            refuse_unknown_objective(f"objective={value}", value)
         options = group_options(key)
         if value not in options and not (key == "recipe" and value == "null"):
             listing = ", ".join(options)

@@ -29,6 +29,10 @@ class ModelConfig:
     tokenizer: Optional[str] = option(None, "Tokenizer dir or id when it differs from the model's.")
     revision: Optional[str] = option(None, "Hub revision (branch, tag or commit) to load.")
     trust_remote_code: bool = option(False, "Allow the model repo's own Python code to run. Off unless set.")
+    adapter: Optional[str] = option(
+        None, "A trained LoRA/DoRA/QLoRA adapter (a run dir or its final/) to go on training instead of a fresh one "
+        "(e.g. preference tuning after SFT); its own rank and target modules apply, method.r and the like do not.",
+    )
     attn_implementation: str = option(
         "auto", "Attention kernel: auto (sdpa where the model class has it, else eager; packed runs then take "
         "data.packed_attention's kernel in place of sdpa), sdpa, eager, or flash_attention_2/3 on GPUs (needs flash-attn)."
@@ -177,6 +181,31 @@ class DataConfig:
 
 
 @dataclass
+class ObjectiveConfig:
+    name: str = option("sft", "What the loss asks for: sft (next-token cross-entropy, the default), dpo, simpo, orpo or kto.")
+    loss_type: str = option("sigmoid", "dpo: sigmoid (DPO), ipo, hinge (SLiC) or robust (rDPO).")
+    beta: float = option(
+        0.1, "dpo, kto: strength of the pull towards the reference model; simpo: reward scale; the implicit reward is "
+        "beta × (policy − reference) log-probability (simpo: beta × the mean token log-probability)."
+    )
+    label_smoothing: float = option(
+        0.0, "dpo sigmoid and robust, simpo: assumed share of pairs whose labels are flipped (conservative DPO), in [0, 0.5)."
+    )
+    gamma: float = option(0.5, "simpo: the target reward margin between chosen and rejected answers.")
+    orpo_lambda: float = option(0.1, "orpo: weight λ of the odds-ratio term next to the chosen answer's NLL.")
+    desirable_weight: float = option(1.0, "kto: weight of the losses of desirable (label true) examples.")
+    undesirable_weight: float = option(1.0, "kto: weight of the losses of undesirable (label false) examples.")
+    sft_weight: float = option(
+        0.0, "dpo, simpo, kto: add this times the chosen (kto: desirable) answer's mean token NLL to each example's loss (RPO); 0 = off."
+    )
+    precompute_reference: bool = option(
+        False, "dpo, kto: compute the reference model's log-probs in one pass before training and cache them on disk "
+        "($FTCTL_HOME/reference_cache, keyed by the tokenized data, the base model and the adapter); later runs and "
+        "resumes reuse them and no reference model stays in memory while training.",
+    )
+
+
+@dataclass
 class TrainConfig:
     max_steps: Optional[int] = option(
         None, "Optimizer steps to run; null means 100 unless train.epochs is set. Set this or train.epochs, not both."
@@ -279,6 +308,7 @@ class RunConfig:
     parallel: ParallelConfig = option(factory=ParallelConfig, help="On how many processes, with which backend.")
     precision: PrecisionConfig = option(factory=PrecisionConfig, help="Numeric precision of the compute.")
     data: DataConfig = option(factory=DataConfig, help="What to train on.")
+    objective: ObjectiveConfig = option(factory=ObjectiveConfig, help="What the loss asks for: SFT or a preference objective.")
     train: TrainConfig = option(factory=TrainConfig, help="The optimisation loop.")
     output_dir: str = option("runs/${now:%Y%m%d-%H%M%S}", "Run directory: config, metrics, checkpoints, final/.")
     seed: int = option(42, "Seed for data order, initialisation and dropout.")
@@ -289,6 +319,12 @@ class RunConfig:
 
 
 METHODS = ("full", "lora", "qlora", "dora")
+OBJECTIVES = ("sft", "dpo", "simpo", "orpo", "kto")
+#: Objectives trained on preference data (pairs, or KTO's labelled completions) rather than conversations.
+PREFERENCE_OBJECTIVES = ("dpo", "simpo", "orpo", "kto")
+#: Objectives whose loss compares the policy with a frozen reference model.
+REFERENCE_OBJECTIVES = ("dpo", "kto")
+DPO_LOSS_TYPES = ("sigmoid", "ipo", "hinge", "robust")
 PARALLEL_BACKENDS = ("single", "ddp", "fsdp", "zero1", "zero2", "zero3", "mesh")
 PRECISIONS = ("fp32", "bf16", "fp16", "auto")
 LR_SCHEDULERS = ("cosine", "linear", "constant", "cosine_restarts", "wsd")

@@ -6,8 +6,8 @@ All of them run before torch is imported, so a mistake costs a message, not a mo
 from __future__ import annotations
 
 from ftctl.config.schema import (
-    ATTENTION_KERNELS, KERNELS, LR_SCHEDULERS, METHODS, OPTIMIZERS, PACKED_ATTENTION_KERNELS, PARALLEL_BACKENDS, PRECISIONS,
-    TRACKERS, WSD_DECAY_SHAPES, RunConfig,
+    ATTENTION_KERNELS, DPO_LOSS_TYPES, KERNELS, LR_SCHEDULERS, METHODS, OBJECTIVES, OPTIMIZERS, PACKED_ATTENTION_KERNELS,
+    PARALLEL_BACKENDS, PRECISIONS, PREFERENCE_OBJECTIVES, REFERENCE_OBJECTIVES, TRACKERS, WSD_DECAY_SHAPES, RunConfig,
 )
 from ftctl.errors import ConfigError, did_you_mean
 
@@ -47,17 +47,38 @@ def _positive(key: str, value, *, allow_zero: bool = False) -> None:
         raise ConfigError(f"{key}={value} must be {'>= 0' if allow_zero else '> 0'}")
 
 
-#: Methods of other tools that ftctl does not offer, named so that they are not "corrected" to a
-#: method spelled alike (dpo is not dora).
-PREFERENCE_METHODS = ("dpo", "ipo", "orpo", "kto", "simpo", "cpo", "ppo", "grpo", "rlhf", "rloo", "reward", "rm")
+#: Other tools' names for preference objectives, which ftctl sets with objective= (so that method=dpo is
+#: answered with objective=dpo, not "corrected" to a method spelled alike: dpo is not dora).
+OBJECTIVE_NAMES = {
+    "dpo": "dpo", "ipo": "dpo objective.loss_type=ipo", "rdpo": "dpo objective.loss_type=robust", "slic": "dpo objective.loss_type=hinge",
+    "simpo": "simpo", "orpo": "orpo", "kto": "kto", "cpo": "simpo", "sft": "sft",
+}
+#: RL methods of other tools that ftctl does not offer.
+RL_METHODS = ("ppo", "grpo", "rlhf", "rloo", "reward", "rm", "online_dpo", "reinforce")
 
 
 def refuse_unsupported_method(setting: str, name: str) -> None:
-    if name.lower() in PREFERENCE_METHODS:
+    """method=dpo and the like: point at the objective, or say that RL is not offered."""
+    lowered = name.lower()
+    if lowered in OBJECTIVE_NAMES and lowered != "sft":
         raise ConfigError(
-            f"{setting}: preference tuning and RL (DPO, ORPO, KTO, PPO, GRPO, ...) is not supported; ftctl does "
-            f"supervised fine-tuning with method=full, lora, qlora or dora"
+            f"{setting}: {name} is an objective in ftctl, not a method: set objective={OBJECTIVE_NAMES[lowered]} "
+            "and keep method=full, lora, qlora or dora"
         )
+    if lowered in RL_METHODS:
+        raise ConfigError(
+            f"{setting}: RL (PPO, GRPO, RLOO, reward models) is not supported; ftctl trains with objective=sft, dpo, "
+            "simpo, orpo or kto and method=full, lora, qlora or dora"
+        )
+
+
+def refuse_unknown_objective(setting: str, name: str) -> None:
+    """objective=ipo, objective=ppo: the objective that means it, or that RL is not offered."""
+    lowered = name.lower()
+    if lowered in OBJECTIVE_NAMES and lowered not in OBJECTIVES:
+        raise ConfigError(f"{setting}: ftctl's name for it is objective={OBJECTIVE_NAMES[lowered]}")
+    if lowered in RL_METHODS:
+        refuse_unsupported_method(setting, name)
 
 
 def validate(cfg: RunConfig, needs_data: bool = True) -> None:
@@ -78,6 +99,10 @@ def validate(cfg: RunConfig, needs_data: bool = True) -> None:
     if m.name == "full" and m.use_dora:
         raise ConfigError("method.use_dora=true needs an adapter method (dora, lora or qlora), not method=full")
     _choice("method.quant_type", m.quant_type, ("nf4", "fp4"))
+    if cfg.model.adapter and m.name == "full":
+        raise ConfigError(f"model.adapter={cfg.model.adapter} goes on training an adapter; use method=lora, qlora or dora "
+                          "(or merge it first with `ftctl merge` and train the merged model with method=full)")
+    _check_objective(cfg)
     _choice("method.quant_storage", m.quant_storage, ("uint8", "bfloat16", "float16", "float32"))
 
     _check_run_length(t)
@@ -103,7 +128,9 @@ def validate(cfg: RunConfig, needs_data: bool = True) -> None:
     from data_formats import AUTO, get_format
 
     if d.format != AUTO:
-        get_format(d.format)
+        fmt = get_format(d.format)
+        if cfg.objective.name == "sft" and not fmt.gives_conversations:
+            raise ConfigError(f"data.format={d.format} holds preference data; train it with objective=dpo, simpo, orpo or kto")
     if needs_data and not d.path and not d.mixture:
         raise ConfigError("data.path has no value; set data.path=FILE (or a directory, a save_to_disk directory, a hub "
                           "dataset id) or data.mixture=[{path: ..., weight: ...}, ...]")
@@ -165,6 +192,42 @@ def validate(cfg: RunConfig, needs_data: bool = True) -> None:
     reason = config_refusal(cfg)
     if reason:
         raise ConfigError(reason)
+
+
+def _check_objective(cfg: RunConfig) -> None:
+    o, d = cfg.objective, cfg.data
+    refuse_unknown_objective(f"objective.name={o.name}", o.name)
+    _choice("objective.name", o.name, OBJECTIVES)
+    _choice("objective.loss_type", o.loss_type, DPO_LOSS_TYPES)
+    _positive("objective.beta", o.beta)
+    for key in ("gamma", "orpo_lambda", "sft_weight"):
+        _positive(f"objective.{key}", getattr(o, key), allow_zero=True)
+    _positive("objective.desirable_weight", o.desirable_weight)
+    _positive("objective.undesirable_weight", o.undesirable_weight)
+    if not 0.0 <= o.label_smoothing < 0.5:
+        raise ConfigError(f"objective.label_smoothing={o.label_smoothing} must be in [0, 0.5)")
+    if o.label_smoothing and not (o.name == "simpo" or (o.name == "dpo" and o.loss_type in ("sigmoid", "robust"))):
+        raise ConfigError(f"objective.label_smoothing={o.label_smoothing} applies to objective=dpo with loss_type sigmoid or "
+                          "robust, and to simpo; set it to 0")
+    if o.precompute_reference and o.name not in REFERENCE_OBJECTIVES:
+        raise ConfigError(f"objective={o.name} has no reference model to precompute; objective.precompute_reference "
+                          f"applies to {' and '.join(REFERENCE_OBJECTIVES)}")
+    if o.sft_weight and o.name == "orpo":
+        raise ConfigError("objective=orpo already trains the chosen answer's NLL (objective.orpo_lambda weighs the other term); "
+                          "set objective.sft_weight=0")
+    if o.name not in PREFERENCE_OBJECTIVES:
+        return
+    if d.mixture:
+        raise ConfigError(f"objective={o.name} reads one preference source: set data.path (data.mixture is for SFT data)")
+    if d.train_on_prompt:
+        raise ConfigError(f"objective={o.name} compares answers to one prompt, so only answers train; set data.train_on_prompt=false")
+    from data_formats import get_format
+
+    fmt = get_format(d.format)
+    if not (fmt.gives_pairs or (o.name == "kto" and fmt.gives_unpaired)):
+        wanted = "preference, kto, alpaca or sharegpt" if o.name == "kto" else "preference, alpaca or sharegpt (with chosen and rejected)"
+        raise ConfigError(f"objective={o.name} trains on preference data, which data.format={d.format} does not hold; use "
+                          f"data.format={wanted}")
 
 
 def _check_run_length(t) -> None:

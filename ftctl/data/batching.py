@@ -279,6 +279,11 @@ class StepShare:
 
     micro_batches: List[MicroBatch]
     global_trained_tokens: int
+    units: Optional[int] = None  # what the step's loss is a mean over, when not its trained tokens (preference: examples)
+
+    @property
+    def global_units(self) -> int:
+        return self.global_trained_tokens if self.units is None else self.units
 
     def pinned(self) -> "StepShare":
         return replace(self, micro_batches=[batch.pinned() for batch in self.micro_batches])

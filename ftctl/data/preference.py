@@ -28,28 +28,29 @@ log-probs come out equal either way.
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import itertools
 import json
 import logging
 import os
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
-from typing import List, Optional, Sequence, Tuple
+from typing import Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from data_formats import FormatError, LabelledAnswer, PreferencePair, get_format, other_format_hint
+from data_formats import AUTO, PAIRS, UNPAIRED, FormatError, LabelledAnswer, PreferencePair, detect_format, get_format, other_format_hint
 from ftctl.config.schema import DataConfig
-from ftctl.data.batching import Batching, MicroBatch, collate, pack_examples
-from ftctl.data.records import Record
+from ftctl.data.batching import Batching, MicroBatch, StepShare, collate, pack_examples
+from ftctl.data.records import Record, RecordLimit
 from ftctl.data.render import IGNORE_INDEX, TemplateError, ensure_chat_template, tokenize_conversation
-from ftctl.data.sources import DataSource, locate, read_source
+from ftctl.data.sources import DataSource, iter_source, locate
 from ftctl.errors import FtctlError
 from ftctl.paths import ftctl_home
 
 log = logging.getLogger("ftctl")
 
-PAIRS, UNPAIRED = "pairs", "unpaired"
 
 
 @dataclass
@@ -98,6 +99,15 @@ class PreferenceDataset:
             return int((self.labels != IGNORE_INDEX).sum())
         return sum(int((self.sequence(2 * i)[1] != IGNORE_INDEX).sum()) for i in range(len(self)))
 
+    @functools.cached_property
+    def trained_per_example(self) -> np.ndarray:
+        """Each example's trained tokens as its micro-batch counts them (after each sequence's first position):
+        both sides of a pair; a KTO example's answer, not its KL sequence (scored apart, without gradients)."""
+        trained = np.concatenate([[0], np.cumsum(self.labels != IGNORE_INDEX)])
+        starts, ends = self.offsets[:-1], self.offsets[1:]
+        per_sequence = (trained[ends] - trained[np.minimum(starts + 1, ends)]).reshape(-1, 2)
+        return per_sequence[:, 0] if self.desirable is not None else per_sequence.sum(axis=1)
+
     def fingerprint(self) -> str:
         """Hash of the tokenized examples: what the reference log-probs are a function of (with the model)."""
         h = hashlib.sha256(self.kind.encode())
@@ -143,31 +153,49 @@ def _with_system(prompt, system_prompt: Optional[str]):
     return prompt
 
 
-def read_preference_records(records: Sequence[Record], data_format: str, kind: str) -> List[Tuple[Record, object]]:
-    """Each record as a :class:`PreferencePair` (``kind`` pairs) or as KTO's labelled answers (a pair gives two)."""
+def detect_preference_format(record: Record, kind: str) -> Tuple[str, str]:
+    """data.format=auto for a preference objective: (format, why) from the first record; KTO reads pairs too."""
+    name, why = detect_format(record.data, kind)
+    if kind == UNPAIRED and not why.startswith("its first record reads"):
+        paired = detect_format(record.data, PAIRS)
+        if paired[1].startswith("its first record reads"):
+            return paired
+    return name, why
+
+
+def read_preference_records(records: Iterable[Record], data_format: str, kind: str) -> Iterator[Tuple[Record, object]]:
+    """Each record as a :class:`PreferencePair` (``kind`` pairs) or as KTO's labelled answers (a pair gives two),
+    one at a time."""
     fmt = get_format(data_format)
-    out = []
     for record in records:
         try:
             if kind == UNPAIRED and fmt.gives_unpaired:
-                out.append((record, fmt.to_unpaired(record.data)))
+                yield record, fmt.to_unpaired(record.data)
             elif kind == UNPAIRED:
                 pair = fmt.to_pair(record.data)
-                out += [(record, LabelledAnswer(pair.prompt, pair.chosen, True)),
-                        (record, LabelledAnswer(pair.prompt, pair.rejected, False))]
+                yield record, LabelledAnswer(pair.prompt, pair.chosen, True)
+                yield record, LabelledAnswer(pair.prompt, pair.rejected, False)
             else:
-                out.append((record, fmt.to_pair(record.data)))
+                yield record, fmt.to_pair(record.data)
         except FormatError as exc:
             hint = other_format_hint(record.data, data_format)
             raise FtctlError(f"{record.source}: not a valid '{data_format}' record: {exc}.{hint}") from None
-    return out
 
 
-def tokenize_preference(records: List[Record], source: DataSource, data_format: str, cfg: DataConfig, tokenizer,
-                        kind: str) -> PreferenceDataset:
+def tokenize_preference(records: Iterable[Record], source: DataSource, data_format: str, cfg: DataConfig, tokenizer,
+                        kind: str, limit: Optional[RecordLimit] = None) -> PreferenceDataset:
+    """Tokenize records as they come (a generator keeps one in memory; KTO keeps each answer's rendering until
+    the KL partners are known); ``limit`` counts the records data.max_record_bytes skipped."""
     where = source.location if source.kind != "hub" else source.value
-    if not records:
-        raise FtctlError(f"{where}: the {'file' if source.kind == 'file' else 'dataset'} holds no examples")
+    records = iter(records)
+    first = next(records, None)
+    if first is None:
+        skipped = f"; {limit.summary()}" if limit is not None and limit.skipped else ""
+        raise FtctlError(f"{where}: the {'file' if source.kind == 'file' else 'dataset'} holds no examples{skipped}")
+    detected = None
+    if data_format == AUTO:
+        data_format, detected = detect_preference_format(first, kind)
+    records = itertools.chain([first], records)
     sequences: List[Tuple[List[int], List[int]]] = []
     truncated, desirable = [], []
     dropped = {"identical": 0, "empty": 0}
@@ -211,7 +239,11 @@ def tokenize_preference(records: List[Record], source: DataSource, data_format: 
                          f"{dropped['empty']} with an empty answer); nothing is left to train on")
     n = len(truncated)
     stats = {"examples": n, "kind": kind, "truncated": int(sum(truncated)), "truncated_share": sum(truncated) / n,
-             "dropped_identical": dropped["identical"], "dropped_empty": dropped["empty"], "dropped_no_trained_tokens": 0}
+             "dropped_identical": dropped["identical"], "dropped_empty": dropped["empty"], "dropped_no_trained_tokens": 0,
+             "source": source.describe(), "format": data_format, "format_detected": detected}
+    if limit is not None and limit.skipped:
+        stats["skipped_too_long"] = limit.skipped
+        stats["skipped_note"] = limit.summary()
     if kind == UNPAIRED:
         stats["desirable"] = int(sum(desirable))
     offsets = np.concatenate([[0], np.cumsum([len(ids) for ids, _ in sequences])]).astype(np.int64)
@@ -226,28 +258,49 @@ def _module_hash() -> str:
     return hashlib.sha256(Path(__file__).read_bytes()).hexdigest()
 
 
-def load_or_tokenize_preference(path: str | DataSource, cfg: DataConfig, tokenizer, kind: str, key: str = "data.path") -> PreferenceDataset:
-    """Tokenize a preference source, or reuse the cache entry keyed as SFT data is (content, tokenizer, settings) plus the kind."""
+def load_or_tokenize_preference(path: str | DataSource, cfg: DataConfig, tokenizer, kind: str, key: str = "data.path",
+                                data_format: Optional[str] = None) -> PreferenceDataset:
+    """Tokenize a preference source in ``data_format`` (default data.format), or reuse the cache entry keyed as
+    SFT data is (content, tokenizer, settings, data.max_record_bytes) plus the kind."""
     from ftctl.data.dataset import _cache_key
 
     source = path if isinstance(path, DataSource) else locate(str(path), key, cfg.split, cfg.subset)
+    data_format = data_format or cfg.format
     cache_root = Path(cfg.cache_dir).expanduser() if cfg.cache_dir else ftctl_home() / "data_cache"
-    name = hashlib.sha256(f"{_cache_key(source, cfg.format, cfg, tokenizer)}:{kind}:{_module_hash()}".encode()).hexdigest()[:24]
+    name = hashlib.sha256(f"{_cache_key(source, data_format, cfg, tokenizer)}:{kind}:{_module_hash()}".encode()).hexdigest()[:24]
     entry = cache_root / f"preference-{name}.npz"
     if entry.is_file():
         with np.load(entry, allow_pickle=False) as z:
             data = PreferenceDataset(z["input_ids"], z["labels"], z["offsets"], z["truncated"],
                                      z["desirable"] if kind == UNPAIRED else None, json.loads(str(z["stats"])))
         data.stats["cache"] = "hit"
-        return data
-    data = tokenize_preference(read_source(source), source, cfg.format, cfg, tokenizer, kind)
-    entry.parent.mkdir(parents=True, exist_ok=True)
-    tmp = entry.with_name(f"{entry.stem}.{os.getpid()}.tmp.npz")
-    np.savez(tmp, input_ids=data.input_ids, labels=data.labels, offsets=data.offsets, truncated=data.truncated,
-             desirable=data.desirable if data.desirable is not None else np.zeros(0, dtype=bool), stats=json.dumps(data.stats))
-    os.replace(tmp, entry)
-    data.stats["cache"] = "miss"
+    else:
+        limit = RecordLimit(cfg.max_record_bytes)
+        data = tokenize_preference(iter_source(source, limit), source, data_format, cfg, tokenizer, kind, limit)
+        _write_cache(entry, data)
+    if data.stats.get("skipped_note"):
+        log.warning("%s: %s", source.describe(), data.stats["skipped_note"])
     return data
+
+
+def _write_cache(entry: Path, data: PreferenceDataset) -> None:
+    """Keep the tokenized pairs for the next run; a cache that cannot be written costs a warning, not the run."""
+    tmp = entry.with_name(f"{entry.stem}.{os.getpid()}.tmp.npz")
+    try:
+        entry.parent.mkdir(parents=True, exist_ok=True)
+        np.savez(tmp, input_ids=data.input_ids, labels=data.labels, offsets=data.offsets, truncated=data.truncated,
+                 desirable=data.desirable if data.desirable is not None else np.zeros(0, dtype=bool), stats=json.dumps(data.stats))
+        os.replace(tmp, entry)
+        data.stats["cache"] = "miss"
+    except OSError as exc:
+        from ftctl.fs_faults import fault_errno, fault_message
+
+        tmp.unlink(missing_ok=True)
+        code = fault_errno(exc, entry.parent)
+        if code is None:
+            raise
+        log.warning("tokenized data not cached: %s", fault_message(code, entry.parent, "the tokenized-data cache", data.input_ids.nbytes * 2))
+        data.stats["cache"] = "not written"
 
 
 def build_preference_datasets(cfg: DataConfig, tokenizer, seed: int, kind: str) -> Tuple[PreferenceDataset, Optional[PreferenceDataset]]:
@@ -264,6 +317,19 @@ def build_preference_datasets(cfg: DataConfig, tokenizer, seed: int, kind: str) 
         evaluation = locate(cfg.eval_path, "data.eval_path", cfg.eval_split, cfg.subset)
         return train, load_or_tokenize_preference(evaluation, cfg, tokenizer, kind)
     return train, held_out
+
+
+def build_preference_eval_sets(cfg: DataConfig, tokenizer, kind: str) -> Dict[str, PreferenceDataset]:
+    """The named eval sets of data.eval_sets as preference data, each in its own format."""
+    from ftctl.config.eval_sets import named_eval_sets
+
+    ensure_chat_template(tokenizer, cfg.chat_template)
+    sets = {}
+    for name, entry in named_eval_sets(cfg.eval_sets).items():
+        source = locate(entry.path, f"data.eval_sets.{name}.path", entry.split or cfg.eval_split,
+                        entry.subset if entry.subset is not None else cfg.subset)
+        sets[name] = load_or_tokenize_preference(source, cfg, tokenizer, kind, data_format=entry.format or cfg.format)
+    return sets
 
 
 @dataclass
@@ -303,6 +369,11 @@ def sequence_of_positions(batch: MicroBatch, lengths: Sequence[int]) -> np.ndarr
 class PreferenceBatching(Batching):
     """Micro-batches of ``micro_batch_size`` examples: a pair's two sequences side by side (chosen, rejected, chosen,
     ...), a KTO example's answer with its KL sequence in a separate no-gradient batch; padded or packed."""
+
+    def step_share(self, dataset, sampler, step: int, rank: int, world_size: int) -> StepShare:
+        """As for SFT, plus the step's units: the global batch's examples (a step's loss is their mean)."""
+        share = super().step_share(dataset, sampler, step, rank, world_size)
+        return replace(share, units=len(sampler.global_batch(step)))
 
     def __call__(self, dataset: PreferenceDataset, indices: Sequence[int]) -> List[PreferenceBatch]:
         out = []

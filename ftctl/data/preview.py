@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ftctl.config.schema import RunConfig
+from ftctl.config.schema import PREFERENCE_OBJECTIVES, RunConfig
 from ftctl.data.batching import sampler_for
 from ftctl.data.dataset import build_datasets, mixture_summary
 from ftctl.data.render import IGNORE_INDEX
@@ -40,6 +40,8 @@ def preview(cfg: RunConfig, n: int, color: bool = False) -> None:
     locate_all(cfg.data)  # a missing file or an unreachable hub dataset is a message before the tokenizer loads
     tokenizer = load_tokenizer(cfg.model, resolve_model_path(cfg.model.name_or_path))
     add_template_tokens(tokenizer, cfg.data.chat_template, cfg.data.add_special_tokens)  # tokenized as the run will
+    if cfg.objective.name in PREFERENCE_OBJECTIVES:
+        return preview_preference(cfg, tokenizer, n, color)
     train, _ = build_datasets(cfg.data, tokenizer, cfg.seed)
     legend = f"{GREEN}green{RESET}" if color else f"{TRAINED_OPEN}…{TRAINED_CLOSE}"
     stats = train.stats
@@ -59,3 +61,24 @@ def preview(cfg: RunConfig, n: int, color: bool = False) -> None:
         trained = int((labels[1:] != IGNORE_INDEX).sum())
         print(f"\n--- example {i}: {len(ids)} tokens, {trained} trained ---")
         print(mark_spans(tokenizer, ids, labels, color))
+
+
+def preview_preference(cfg: RunConfig, tokenizer, n: int, color: bool = False) -> None:
+    """Both sides of each pair (KTO: each answer with its label), trained tokens marked."""
+    from ftctl.data.preference import UNPAIRED, build_preference_datasets
+
+    kind = UNPAIRED if cfg.objective.name == "kto" else "pairs"
+    train, _ = build_preference_datasets(cfg.data, tokenizer, cfg.seed, kind)
+    s = train.stats
+    legend = f"{GREEN}green{RESET}" if color else f"{TRAINED_OPEN}…{TRAINED_CLOSE}"
+    what = "KTO examples" if kind == UNPAIRED else "pairs"
+    print(f"{len(train)} {what} from {cfg.data.path} (format {cfg.data.format}, objective={cfg.objective.name}); "
+          f"{s.get('truncated', 0)} ({s.get('truncated_share', 0):.1%}) with an answer cut to data.max_seq_len={cfg.data.max_seq_len}, "
+          f"{s.get('dropped_identical', 0)} dropped as identical, {s.get('dropped_empty', 0)} with an empty answer; "
+          f"trained tokens are {legend}, the rest is masked")
+    for i in range(min(n, len(train))):
+        sides = ("chosen", "rejected") if kind != UNPAIRED else (("desirable" if train.desirable[i] else "undesirable"),)
+        for side, (ids, labels) in zip(sides, train[i]):
+            trained = int((labels[1:] != IGNORE_INDEX).sum())
+            print(f"\n--- {'pair' if kind != UNPAIRED else 'example'} {i}, {side}: {len(ids)} tokens, {trained} trained ---")
+            print(mark_spans(tokenizer, ids, labels, color))

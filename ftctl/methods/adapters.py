@@ -61,6 +61,15 @@ def linear_layer_names(model: torch.nn.Module) -> List[str]:
 def _tied(model: torch.nn.Module) -> bool:
     head = model.get_output_embeddings()
     return head is not None and head.weight is model.get_input_embeddings().weight
+def adapter_dir_of(value: str, key: str = "model.adapter") -> Path:
+    """The peft adapter dir that ``value`` names: the dir itself, or a run dir's final/."""
+    from ftctl.errors import FtctlError
+
+    path = Path(value).expanduser()
+    for candidate in (path, path / "final"):
+        if (candidate / "adapter_config.json").is_file():
+            return candidate
+    raise FtctlError(f"{key}={value}: no adapter_config.json there or in its final/; pass a LoRA, DoRA or QLoRA result dir")
 
 
 def read_adapter_info(adapter_dir: Path) -> Optional[dict]:
@@ -91,6 +100,8 @@ class AdapterMethod(Method):
         base = self.load_base(model_path, precision, device)
         self.grow_vocabulary(base)
         base.requires_grad_(False)
+        if self.cfg.model.adapter:
+            return self._prepared(self._existing_adapter(base, device))
         targets = lora_target_modules(m.target_modules)
         left_out = unadaptable_by_dora(base) if self.use_dora and targets == "all-linear" else []
         if left_out:
@@ -126,6 +137,27 @@ class AdapterMethod(Method):
                     f"cannot adapt; name linear layers only (e.g. [q_proj,k_proj,v_proj,o_proj]) or use method=lora"
                 ) from None
             raise FtctlError(f"method.target_modules={list(m.target_modules)}: {exc}") from None
+        return self._prepared(model)
+
+    def _existing_adapter(self, base, device):
+        """model.adapter: a trained adapter loaded to go on training (its own rank and targets)."""
+        from peft import PeftModel
+
+        from ftctl.errors import FtctlError
+
+        adapter_dir = adapter_dir_of(self.cfg.model.adapter)
+        config = json.loads((adapter_dir / "adapter_config.json").read_text())
+        if bool(config.get("use_dora")) != self.use_dora:
+            raise FtctlError(f"model.adapter={self.cfg.model.adapter} is a {'DoRA' if config.get('use_dora') else 'LoRA'} "
+                             f"adapter; train it with method={'dora' if config.get('use_dora') else 'lora'} (or qlora)")
+        try:
+            return PeftModel.from_pretrained(base, str(adapter_dir), is_trainable=True).to(device)
+        except (ValueError, RuntimeError, KeyError) as exc:
+            raise FtctlError(f"model.adapter={self.cfg.model.adapter} does not fit {self.cfg.model.name_or_path}: "
+                             f"{str(exc).splitlines()[0]}") from None
+
+    @staticmethod
+    def _prepared(model):
         for param in model.parameters():
             if param.requires_grad and param.dtype != torch.float32:
                 param.data = param.data.float()

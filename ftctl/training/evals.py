@@ -17,7 +17,7 @@ import math
 import os
 import shutil
 from pathlib import Path
-from typing import Callable, Dict, Optional
+from typing import Callable, Dict, Optional, Tuple
 
 from ftctl.config.eval_sets import DEFAULT_EVAL_KEY, metric_names, named_eval_sets, set_metric_key
 from ftctl.training.checkpoint import STATE_FILE
@@ -46,15 +46,17 @@ class RunEvals:
     def due(self, done: int, steps: int) -> bool:
         return bool(self.sets) and ((self.eval_every and done % self.eval_every == 0) or done == steps)
 
-    def run(self, mean_loss: Callable[[object], float]) -> Dict[str, float]:
-        """Every set's mean token loss (``mean_loss(dataset)``, the runner's evaluate: the same value on every rank),
-        and the perplexities asked for."""
-        values = {}
+    def run(self, evaluate: Callable[[object], Tuple[float, Dict[str, float]]]) -> Dict[str, float]:
+        """Every set's mean loss and the perplexities asked for, then the objective's metrics of every set
+        (``evaluate(dataset)``, the runner's: (loss, metrics), the same on every rank); the first value is the first set's loss."""
+        values, extra = {}, {}
         for key, data in self.sets:
-            values[key] = mean_loss(data)
+            values[key], metrics = evaluate(data)
             if key in self.perplexity:
                 values[self.perplexity[key]] = math.exp(min(values[key], 700.0))  # exp(700) is still a float
-        return values
+            prefix = key[: -len("loss")]  # eval_loss -> eval_rewards/margins, eval/<name>_loss -> eval/<name>_rewards/margins
+            extra.update({prefix + name: value for name, value in metrics.items()})
+        return {**values, **extra}
 
 
 def write_weights(directory: Path, *, backend, engine, method, model, tokenizer, info: dict) -> None:

@@ -6,7 +6,7 @@ import logging
 import math
 import signal
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Optional, Tuple
 
 from ftctl.errors import FtctlError
 
@@ -36,13 +36,19 @@ def nonfinite_advice(precision: str, lr: Optional[float] = None) -> str:
 
 @dataclass
 class StepOutcome:
-    loss: float  # mean token loss of the global batch
+    loss: float  # mean loss of the global batch over the objective's units (SFT: trained tokens)
     grad_norm: float
     skipped: bool  # the engine applied no update
     global_tokens: int  # trained tokens of the global batch
     real_tokens: int = 0  # non-padding tokens of the global batch
     positions: int = 0  # computed positions of the global batch, padding included
     stop_requested: bool = False  # some rank got SIGTERM/SIGINT before the step's end
+    units: Optional[int] = None  # what ``loss`` is a mean over (preference objectives: examples); None: global_tokens
+    objective_sums: Tuple[float, ...] = ()  # the objective's metric sums over the global batch (ftctl.objectives.base.Tally)
+
+    @property
+    def loss_units(self) -> int:
+        return self.global_tokens if self.units is None else self.units
 
 
 class NonFiniteGuard:

@@ -151,17 +151,10 @@ def returns_head_output(model: torch.nn.Module) -> bool:
 
 
 @contextlib.contextmanager
-def _head_computes_loss(head: torch.nn.Linear, positions: torch.Tensor, targets: torch.Tensor):
-    """For one forward call, ``head(hidden)`` returns the summed token loss of ``hidden``'s flattened
-    ``positions`` against ``targets``."""
-
-    kernel = head_loss_kernel(head)
-
-    def loss_forward(hidden: torch.Tensor) -> torch.Tensor:
-        return linear_cross_entropy_at(hidden, head.weight, head.bias, positions, targets, kernel)
-
+def head_computes(head: torch.nn.Module, compute):
+    """For one forward call, ``head(hidden)`` returns ``compute(hidden)`` in place of the logits (see the module docstring)."""
     previous = head.__dict__.get("forward")
-    head.forward = loss_forward
+    head.forward = compute
     try:
         yield
     finally:
@@ -169,6 +162,13 @@ def _head_computes_loss(head: torch.nn.Linear, positions: torch.Tensor, targets:
             del head.forward
         else:
             head.forward = previous
+
+
+def _head_computes_loss(head: torch.nn.Linear, positions: torch.Tensor, targets: torch.Tensor):
+    """For one forward call, ``head(hidden)`` returns the summed token loss of ``hidden``'s flattened
+    ``positions`` against ``targets``."""
+    kernel = head_loss_kernel(head)
+    return head_computes(head, lambda hidden: linear_cross_entropy_at(hidden, head.weight, head.bias, positions, targets, kernel))
 
 
 def linear_cross_entropy_sum(hidden, weight, bias, targets) -> torch.Tensor:

@@ -77,15 +77,17 @@ class MetricsLogger:
 
 class LogWindow:
     """The steps since the last metrics line: their loss and token counts (summed over ranks), as the
-    line reports them: the window's mean token loss, rates and waste shares."""
+    line reports them: the window's mean loss (per trained token; preference objectives: per example),
+    rates and waste shares, and the objective's metrics (``step_metrics`` of their summed tallies)."""
 
-    def __init__(self, device=None):
-        self.device = device
+    def __init__(self, device=None, step_metrics=None):
+        self.device, self.step_metrics = device, step_metrics
         self._reset()
 
     def _reset(self):
         self.real = self.trained = self.positions = 0  # host numbers: the step's one reduction summed them
-        self.loss_sum = self.loss_tokens = 0.0  # finite step losses weighted by their trained tokens
+        self.loss_sum = self.loss_units = 0.0  # finite step losses weighted by their units (SFT: trained tokens)
+        self.objective_sums = None
         self.start = time.perf_counter()
 
     def add(self, outcome) -> None:
@@ -94,14 +96,17 @@ class LogWindow:
         self.trained += outcome.global_tokens
         self.positions += outcome.positions
         if math.isfinite(outcome.loss):  # a skipped non-finite step is reported on its own; it must not void the window's mean
-            self.loss_sum += outcome.loss * outcome.global_tokens
-            self.loss_tokens += outcome.global_tokens
+            self.loss_sum += outcome.loss * outcome.loss_units
+            self.loss_units += outcome.loss_units
+            if outcome.objective_sums:
+                sums = self.objective_sums or [0.0] * len(outcome.objective_sums)
+                self.objective_sums = [a + b for a, b in zip(sums, outcome.objective_sums)]
 
     def take(self) -> dict:
         elapsed = max(time.perf_counter() - self.start, 1e-9)
         real, trained, positions = self.real, self.trained, self.positions
         out = {
-            "loss": self.loss_sum / self.loss_tokens if self.loss_tokens else float("nan"),
+            "loss": self.loss_sum / self.loss_units if self.loss_units else float("nan"),
             "tokens_per_s": real / elapsed,
             "trained_tokens_per_s": trained / elapsed,
             # Shares of the computed positions: padding, and everything without a trained label.
@@ -109,6 +114,7 @@ class LogWindow:
             "non_trained_share": 1.0 - trained / positions,
             "trained_tokens": int(trained),
             **memory_peaks(self.device),
+            **(self.step_metrics(self.objective_sums) if self.step_metrics and self.objective_sums else {}),
         }
         self._reset()
         return out

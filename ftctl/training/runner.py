@@ -1,9 +1,10 @@
-"""The one training loop. Method, backend and precision are chosen by config; the loop does not branch on them.
+"""The one training loop. Method, backend, precision and objective are chosen by config; the loop does not branch on them.
 
-Reading order: set up the process group and precision, tokenize the data, build the model the
-method's way, let the backend wrap it, then for each step: fetch this rank's share of the global
-batch, run its micro-batches with the loss normalised by the global batch's trained tokens, take
-an optimizer step, log, evaluate, checkpoint. Finally save the result where HF tools load it.
+Reading order: set up the process group and precision, tokenize the data the objective's way, build
+the model the method's way, let the backend wrap it, let the objective prepare (a reference model),
+then for each step: fetch this rank's share of the global batch, run its micro-batches with the loss
+normalised by the global batch's units (trained tokens for SFT, examples for preference objectives),
+take an optimizer step, log, evaluate, checkpoint. Finally save the result where HF tools load it.
 """
 
 from __future__ import annotations
@@ -19,8 +20,7 @@ import torch
 
 from ftctl.config.schema import RunConfig
 from ftctl.config.validate import gradient_accumulation_steps
-from ftctl.data.batching import Batching, sampler_for
-from ftctl.data.dataset import build_datasets, build_eval_sets
+from ftctl.data.batching import sampler_for
 from ftctl.errors import FtctlError
 from ftctl.data.prefetch import StepBatches
 from ftctl.data.template_tokens import add_template_tokens
@@ -29,13 +29,15 @@ from ftctl.models.kernels import use_kernels
 from ftctl.models.neftune import add_neftune_noise
 from ftctl.models.loading import attention_for_run, load_tokenizer, resolve_model_path
 from ftctl.models.packed_attention import use_packed_attention
+from ftctl.objectives import create_objective
+from ftctl.objectives.base import SFT, ObjectiveSetup
 from ftctl.parallel.backends import create_backend
 from ftctl.precision.policy import resolve_precision
 from ftctl.training.checkpoint import save_checkpoint, save_result
 from ftctl.training.divergence import DivergenceGuard, uniform_prediction_loss
 from ftctl.training.evals import BestSoFar, RunEvals, write_weights
 from ftctl.training.interrupts import NonFiniteGuard, StepOutcome, StopRequest, TrainingInterrupted
-from ftctl.training.loss import returns_head_output, token_loss_sum
+from ftctl.training.loss import returns_head_output
 from ftctl.training.packing_check import check_packing
 from ftctl.training.metrics import LogWindow, MetricsLogger
 from ftctl.training.optimizers import build_optimizer, evaluation_weights, settle_final_weights
@@ -86,11 +88,12 @@ def _train(cfg: RunConfig, run_dir: Path, backend) -> TrainResult:
     # kernel; a kernel this machine or precision cannot run is a message, not a wasted model load.
     attention = attention_for_run(cfg, model_path, backend.device.type, precision.name)
     method = create_method(cfg, attention)
+    objective = create_objective(cfg)
     tokenizer = load_tokenizer(cfg.model, model_path)
     # A named template's special tokens the tokenizer splits: a warning, or (data.add_special_tokens) new rows to train.
     method.new_token_ids = add_template_tokens(tokenizer, cfg.data.chat_template, cfg.data.add_special_tokens, say=backend.is_main)
-    train_data, eval_data = build_datasets(cfg.data, tokenizer, cfg.seed)
-    evals = RunEvals(eval_data, build_eval_sets(cfg.data, tokenizer), cfg.data, t.eval_every)
+    train_data, eval_data = objective.build_datasets(tokenizer, cfg.seed)
+    evals = RunEvals(eval_data, objective.build_eval_sets(tokenizer), cfg.data, t.eval_every)
     _log_data(backend, train_data, eval_data, evals)
     steps = total_steps(t, len(train_data))
     if backend.is_main and t.epochs is not None:
@@ -129,10 +132,12 @@ def _train(cfg: RunConfig, run_dir: Path, backend) -> TrainResult:
         )
 
     sampler = sampler_for(train_data, t.global_batch_size, cfg.seed, cfg.data.shuffle)
-    make_batches = Batching.from_config(cfg, tokenizer.pad_token_id)
+    make_batches = objective.batching(tokenizer.pad_token_id)
+    objective.prepare(ObjectiveSetup(method, model, engine, model_path, backend, precision, [("train", train_data), *evals.sets],
+                                     make_batches, resumed=resume_from is not None))
     metrics = MetricsLogger(run_dir, steps, start_step, enabled=backend.is_main, trackers=requested_trackers(t),
                             params=flatten_keys(asdict(cfg)), progress_bar=t.progress_bar)
-    window = LogWindow(backend.device)
+    window = LogWindow(backend.device, objective.step_metrics)
     nonfinite = NonFiniteGuard(t.max_nonfinite_steps, precision.needs_scaler, precision.name, t.lr)
     divergence = DivergenceGuard(t, uniform_prediction_loss(model), run_dir)
     outcome, eval_loss = None, None
@@ -160,12 +165,12 @@ def _train(cfg: RunConfig, run_dir: Path, backend) -> TrainResult:
             for step, share in upcoming:
                 lr = learning_rate(step, t, steps)
                 engine.set_lr(lr)
-                outcome = train_step(engine, share, backend, precision, t.max_grad_norm, stop.requested_here)
+                outcome = train_step(engine, share, backend, precision, t.max_grad_norm, stop.requested_here, objective)
                 nonfinite.check(step + 1, outcome, keep_last_good=lambda: checkpoint(step) if step > 0 else None)
                 window.add(outcome)
                 done = step + 1
                 metrics.advance()
-                scores = evals.run(lambda data: evaluate(engine, data, make_batches, backend, precision)) if evals.due(done, steps) else None
+                scores = evals.run(lambda data: evaluate(engine, data, make_batches, backend, precision, objective)) if evals.due(done, steps) else None
                 stopping = scores is not None and best.observe(done, scores)
                 if done % t.log_every == 0 or done == steps or stopping:
                     metrics.log(done, {**window.take(), "lr": lr, "grad_norm": outcome.grad_norm,
@@ -202,58 +207,69 @@ def _train(cfg: RunConfig, run_dir: Path, backend) -> TrainResult:
     return TrainResult(run_dir, final_dir, best.stopped_at or steps, outcome.loss, eval_loss, model)
 
 
-def train_step(engine, share, backend, precision, max_grad_norm: float, stop_requested=lambda: False) -> StepOutcome:
-    """One optimizer step over this rank's micro-batches; the loss is the global batch's mean token loss.
+def train_step(engine, share, backend, precision, max_grad_norm: float, stop_requested=lambda: False,
+               objective=SFT()) -> StepOutcome:
+    """One optimizer step over this rank's micro-batches; the loss is the global batch's mean over the objective's
+    units (SFT: the mean token loss).
 
     Nothing in the micro-batch loop reads a device value back (on a GPU each read stalls the queue):
-    the token counts are host numbers and the loss sums up on the device. The step then reduces
-    once across ranks and reads once (:class:`ftctl.training.step_sync.StepSync`).
+    the unit and token counts are host numbers and the loss (and the objective's metric sums) add up on
+    the device. The step then reduces once across ranks and reads once (:class:`ftctl.training.step_sync.StepSync`).
     """
-    # Normalise by the trained tokens of the whole global batch, so the update does not depend on
-    # how the batch is split over micro-batches and ranks; every rank counted them before the step.
-    global_tokens = share.global_trained_tokens
+    # Normalise by the units of the whole global batch, so the update does not depend on how the batch
+    # is split over micro-batches and ranks; every rank counted them before the step.
+    global_units = share.global_units
     # Data-parallel backends average gradients over their data-parallel ranks; their number undoes that.
-    scale = backend.dp_size / global_tokens if global_tokens else float("nan")
+    scale = backend.dp_size / global_units if global_units else float("nan")
     batches = share.micro_batches
-    loss_sum = engine.forward_backward(batches, micro_batch_loss(precision, backend.device), scale, backend.device)
-    sync = StepSync(backend, loss_sum, batches, stop_requested)
+    objective.begin_step(engine.module, batches, backend)
+    tally = objective.new_tally()
+    loss_sum = engine.forward_backward(batches, micro_batch_loss(precision, backend.device, objective, tally), scale,
+                                       backend.device)
+    sync = StepSync(backend, loss_sum, batches, stop_requested, tally)
     result = engine.step(max_grad_norm, sync)
     totals = sync.totals
-    if totals.trained_tokens != global_tokens:
-        raise RuntimeError(f"the ranks' micro-batches hold {totals.trained_tokens} trained tokens, the global batch {global_tokens}")
-    loss = totals.loss_sum / global_tokens if global_tokens else float("nan")
-    return StepOutcome(loss, result.grad_norm, result.skipped, global_tokens, totals.real_tokens, totals.positions,
-                       totals.stop_requested)
+    if totals.trained_tokens != share.global_trained_tokens:
+        raise RuntimeError(f"the ranks' micro-batches hold {totals.trained_tokens} trained tokens, "
+                           f"the global batch {share.global_trained_tokens}")
+    loss = totals.loss_sum / global_units if global_units else float("nan")
+    return StepOutcome(loss, result.grad_norm, result.skipped, share.global_trained_tokens, totals.real_tokens, totals.positions,
+                       totals.stop_requested, global_units, totals.objective_sums)
 
 
-def micro_batch_loss(precision, device):
-    """One micro-batch's summed token loss under the run's autocast: what engines call per micro-batch."""
+def micro_batch_loss(precision, device, objective=SFT(), tally=None):
+    """One micro-batch's summed loss (the objective's; SFT: the token loss) under the run's autocast: what
+    engines call per micro-batch. The objective adds its metric sums to ``tally`` on the device."""
 
     def loss_of(module, batch):
         with precision.autocast():
-            return token_loss_sum(module, batch, device)
+            return objective.loss_sum(module, batch, device, tally)
 
     return loss_of
 
 
 @torch.no_grad()
-def evaluate(engine, eval_data, make_batches, backend, precision) -> float:
-    """Mean token loss over the whole eval split; ranks take interleaved examples and sum."""
+def evaluate(engine, eval_data, make_batches, backend, precision, objective=SFT()):
+    """(mean loss over the whole eval split, the objective's metrics on it); ranks take interleaved examples and sum."""
     with evaluation_weights(engine.optimizer):
-        return _evaluate(engine, eval_data, make_batches, backend, precision)
+        return _evaluate(engine, eval_data, make_batches, backend, precision, objective)
 
 
-def _evaluate(engine, eval_data, make_batches, backend, precision) -> float:
+def _evaluate(engine, eval_data, make_batches, backend, precision, objective):
     engine.module.eval()
     indices = list(range(backend.dp_rank, len(eval_data), backend.dp_size))
     batches = make_batches(eval_data, indices)
     total = torch.zeros((), dtype=torch.float64, device=backend.device)  # summed on the device: no read per batch
+    units = float(sum(objective.units(batch) for batch in batches))
+    tally = objective.new_tally()
     if batches:
-        total += engine.eval_loss_sum(batches, micro_batch_loss(precision, backend.device))
-    tokens = torch.tensor(float(sum(batch.trained_tokens for batch in batches)), dtype=torch.float64)
-    total = total.cpu()
+        total += engine.eval_loss_sum(batches, micro_batch_loss(precision, backend.device, objective, tally))
     engine.module.train()
-    return float(backend.all_reduce_sum(total) / backend.all_reduce_sum(tokens).clamp(min=1))
+    # One reduction: the loss, the units and the objective's metric sums.
+    sums = backend.all_reduce_sum(torch.cat([torch.stack([total.cpu(), torch.tensor(units, dtype=torch.float64)]),
+                                             tally.local_sums() if tally is not None else torch.zeros(0, dtype=torch.float64)])).tolist()
+    loss = sums[0] / max(sums[1], 1.0)
+    return loss, (objective.step_metrics(sums[2:]) if tally is not None else {})
 
 
 def _log_data(backend, train_data, eval_data, evals: RunEvals) -> None:
