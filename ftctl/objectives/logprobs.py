@@ -21,7 +21,7 @@ from typing import Callable, Optional, Tuple
 import torch
 
 from ftctl.models.packed_attention import packed_kernel_of
-from ftctl.training.loss import CHUNK_ELEMENTS, head_computes, head_for_loss
+from ftctl.training.loss import head_chunking, head_computes, head_for_loss
 from ftctl.training.loss import _to_device as _on
 
 LossFn = Callable[[torch.Tensor], torch.Tensor]
@@ -72,14 +72,11 @@ class SequenceLogProbLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, sequences, count: int, loss_fn, track_grads: bool, out: dict):
         device = hidden.device
-        autocast_on = torch.is_autocast_enabled(device.type)
-        compute_dtype = torch.get_autocast_dtype(device.type) if autocast_on else hidden.dtype
-        want_hidden_grad, want_weight_grad, want_bias_grad = (track_grads and need for need in ctx.needs_input_grad[:3])
-        n, vocab = hidden.shape[0], weight.shape[0]
-        rows = max(1, CHUNK_ELEMENTS // vocab)
+        compute_dtype, rows, w, b, (want_hidden_grad, want_weight_grad, want_bias_grad) = head_chunking(
+            ctx, hidden, weight, bias, track_grads)
+        n = hidden.shape[0]
+        vocab = weight.shape[0]
         with torch.autocast(device.type, enabled=False):
-            w = weight.to(compute_dtype)
-            b = bias.float() if bias is not None else None
 
             def chunk_logits(start: int, end: int) -> torch.Tensor:
                 logits = torch.mm(hidden[start:end].to(compute_dtype), w.t()).float()

@@ -193,6 +193,18 @@ def linear_cross_entropy_at(hidden, weight, bias, positions, targets, kernel=Non
     return LinearCrossEntropy.apply(selected, weight, bias, targets, torch.is_grad_enabled())
 
 
+def head_chunking(ctx, hidden: torch.Tensor, weight: torch.Tensor, bias, track_grads: bool):
+    """How a chunked head function computes: (the dtype its matmuls run in: autocast's when it is on, else the
+    input's; rows per chunk, so that a chunk's fp32 logits hold about CHUNK_ELEMENTS; the weight in that dtype;
+    the bias in fp32; whether hidden, weight and bias want gradients)."""
+    device_type = hidden.device.type
+    compute_dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else hidden.dtype
+    # Grad mode is off inside forward; the caller's mode says whether anything will call backward.
+    wants = tuple(track_grads and need for need in ctx.needs_input_grad[:3])
+    return (compute_dtype, max(1, CHUNK_ELEMENTS // weight.shape[0]), weight.to(compute_dtype),
+            bias.float() if bias is not None else None, wants)
+
+
 class LinearCrossEntropy(torch.autograd.Function):
     """Summed cross-entropy of ``hidden @ weight.T + bias``, chunk by chunk, gradients computed on the way.
 
@@ -205,15 +217,10 @@ class LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, track_grads: bool):
         device = hidden.device
-        autocast_on = torch.is_autocast_enabled(device.type)
-        compute_dtype = torch.get_autocast_dtype(device.type) if autocast_on else hidden.dtype
-        # Grad mode is off inside forward; the caller's mode says whether anything will call backward.
-        want_hidden_grad, want_weight_grad, want_bias_grad = (track_grads and need for need in ctx.needs_input_grad[:3])
+        compute_dtype, rows, w, b, (want_hidden_grad, want_weight_grad, want_bias_grad) = head_chunking(
+            ctx, hidden, weight, bias, track_grads)
         n, vocab = hidden.shape[0], weight.shape[0]
-        rows = max(1, CHUNK_ELEMENTS // vocab)
         with torch.autocast(device.type, enabled=False):
-            w = weight.to(compute_dtype)
-            b = bias.float() if bias is not None else None
             grad_hidden = torch.empty(hidden.shape, dtype=torch.float32, device=device) if want_hidden_grad else None
             grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=device) if want_weight_grad else None
             grad_bias = torch.zeros(vocab, dtype=torch.float32, device=device) if want_bias_grad else None
