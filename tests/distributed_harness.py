@@ -1,6 +1,7 @@
 """Test-only worker: one torchrun launch runs many trainings in sequence and records what each backend did.
 
-Run as ``python -m torch.distributed.run --nproc-per-node N tests/distributed_harness.py PLAN.json OUT_DIR``.
+Run as ``python -m torch.distributed.run --nproc-per-node N tests/distributed_harness.py PLAN.json OUT_DIR``
+(tests call :func:`launch`, which does that).
 PLAN.json is a list of jobs ``{"id", "overrides", "overflow_at_forward"?, "stop_after_step"?, "cli"?}``. Every rank trains
 each job through the real runner (``ftctl.training.runner.train``) or, for ``"cli"`` jobs, through
 ``ftctl train`` running in place under the launcher. The engine the backend built is kept, and after

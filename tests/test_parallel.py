@@ -23,6 +23,7 @@ import torch
 from safetensors.torch import load_file
 
 from devices import cpu_only
+from distributed_harness import launch
 from ftctl.errors import ConfigError
 
 pytestmark = pytest.mark.slow

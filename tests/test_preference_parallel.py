@@ -10,13 +10,11 @@ cached). Each must match the single-process run of the same config, trained here
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from distributed_harness import launch
 from ftctl.preflight import gpu_visible
 
 pytestmark = [
@@ -24,7 +22,6 @@ pytestmark = [
     pytest.mark.skipif(gpu_visible(), reason="2 gloo ranks on the CPU; on a GPU host the ranks would share its GPU"),
 ]
 
-HERE = Path(__file__).resolve().parent
 STEPS = 3
 RTOL = 1e-4  # fp32, as tests/test_parallel.py: summation order over ranks and buckets only
 # The ZeRO-3 precompute job runs first: its ranks score the data (a collective pass through DeepSpeed), then DDP reads the cache.
@@ -59,19 +56,7 @@ def runs(common, tmp_path_factory):
     jobs = [{"id": f"{backend}-{method}", "overrides": [f"parallel={backend}", f"method={method}", f"output_dir={root}/{backend}-{method}",
                                                        f"objective.precompute_reference={str(precompute).lower()}"]}
             for backend, method, precompute in JOBS]
-    plan = root / "plan.json"
-    plan.write_text(json.dumps({"common": common, "jobs": jobs}))
-    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-               str(HERE / "distributed_harness.py"), str(plan), str(root)]
-    proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
-    evidence_file = root / "evidence.json"
-    if proc.returncode or not evidence_file.exists():
-        pytest.fail(f"harness failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
-    evidence = json.loads(evidence_file.read_text())
-    failed = {k: v for k, v in evidence.items() if any("error" in r for r in v["ranks"])}
-    if failed:
-        pytest.fail(f"harness jobs failed: {json.dumps(failed, indent=1)[-6000:]}")
+    evidence = launch(2, common, jobs, root)
     return root, evidence
 
 
