@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from ftctl.cli import main
+from ftctl.errors import FtctlError
 from ftctl.paths import samples_dir
 
 PAIRS_FILE = samples_dir() / "preference" / "pairs_sample.jsonl"
@@ -403,7 +404,17 @@ def test_preview_shows_both_sides_with_trained_tokens_marked(tiny_model_dir, cap
 
 
 def test_eval_scores_held_out_pairs_for_the_base_and_the_trained_model(dpo_cfg, run_training, tmp_path, capsys):
-    result, _ = run_training(dpo_cfg("train.max_steps=6", "train.lr=1e-2", "train.global_batch_size=8", "train.micro_batch_size=8"))
+    result, metrics = run_training(dpo_cfg("train.max_steps=6", "train.lr=1e-2", "train.global_batch_size=8", "train.micro_batch_size=8",
+                                           "train.tensorboard=true"))
+    # The reward metrics reach the trackers too (TensorBoard here, read back with its own reader).
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from ftctl.training.trackers import metric_name
+
+    events = EventAccumulator(str(result.run_dir / "tensorboard")).Reload()
+    for key in ("rewards/margins", "rewards/accuracies", "logps/chosen", "truncated_share"):
+        logged = [(e.step, pytest.approx(e.value, rel=1e-6)) for e in events.Scalars(metric_name(key))]
+        assert logged == list(steps(metrics, key).items())
     assert main(["eval", f"adapter={result.run_dir}", f"data.path={PAIRS_FILE}", f"output={tmp_path}/eval", "n=24"]) == 0
     line = capsys.readouterr().out.strip().splitlines()[-1]
     summary = json.loads((tmp_path / "eval" / "eval.json").read_text())
@@ -481,3 +492,18 @@ def test_the_plan_names_the_objective_and_its_reference(tiny_model_dir, capsys):
     assert "  objective  dpo (sigmoid, beta 0.1; reference: a frozen copy of the starting model)" in capsys.readouterr().out
     assert main([*base, "objective=kto", "data=kto_sample", "objective.precompute_reference=true"]) == 0
     assert "  objective  kto (beta 0.1, weights 1/1; reference: precomputed once and cached)" in capsys.readouterr().out
+
+
+def test_eval_reads_any_pair_format_and_checks_every_pair_before_loading_a_model(tmp_path, capsys):
+    from ftctl.evaluation.evaluate import EvalRequest
+    from ftctl.evaluation.preference import pair_format
+
+    ranked = write_jsonl(tmp_path / "ranked.jsonl", [{"instruction": "Hi", "chosen": "a", "rejected": "b"}])
+    assert pair_format(EvalRequest(str(ranked), "out")) == "alpaca"
+    assert pair_format(EvalRequest(str(PAIRS_FILE), "out")) == "preference"
+    with pytest.raises(FtctlError, match="a KTO file has one answer per prompt"):
+        pair_format(EvalRequest(str(KTO_FILE), "out", data_format="kto"))
+    broken = write_jsonl(tmp_path / "broken.jsonl", [{"prompt": "Hi", "chosen": "a", "rejected": "b"}, {"prompt": "Hi", "chosen": "a"}])
+    assert main(["eval", "model=no-such-model", f"data.path={broken}", f"output={tmp_path}/eval"]) == 1
+    err = capsys.readouterr().err
+    assert f"{broken}:2: not a valid 'preference' record: missing required field 'rejected'" in err and "no-such-model" not in err

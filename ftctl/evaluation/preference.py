@@ -45,25 +45,45 @@ def is_preference_eval(data_path: str, data_format: Optional[str]) -> bool:
     return first is not None and "chosen" in first.data and "rejected" in first.data
 
 
-def _pairs(req, tokenizer, max_seq_len: int):
-    from data_formats import get_format, guess_format
-    from ftctl.config.schema import DataConfig
-    from ftctl.data.preference import PAIRS, tokenize_preference
+def pair_format(req) -> str:
+    """The format to read ``req``'s pairs with: data.format, or the first format (preference, alpaca, sharegpt, ...)
+    that reads the file's first record as a pair. Checks every record now, before any model loads."""
+    from data_formats import FormatError, available, get_format
+    from ftctl.data.preference import PAIRS, read_preference_records
     from ftctl.data.records import read_records
-    from ftctl.data.sources import locate
 
     records = read_records(req.data_path)
     if not records:
         raise FtctlError(f"{req.data_path}: the file holds no examples")
     data_format = req.data_format
-    if data_format is None or not get_format(data_format).gives_pairs:
-        if data_format is not None and get_format(data_format).gives_unpaired:
+    if data_format is not None and not get_format(data_format).gives_pairs:
+        if get_format(data_format).gives_unpaired:
             raise FtctlError(f"data.format={data_format}: ftctl eval scores preference pairs; a KTO file has one answer per prompt")
-        data_format = "preference" if "preference" in guess_format(records[0].data) else data_format or "preference"
+        data_format = None
+    if data_format is None:
+        candidates = ["preference"] + [name for name in available() if name != "preference" and get_format(name).gives_pairs]
+        for name in candidates:
+            try:
+                get_format(name).to_pair(records[0].data)
+            except FormatError:
+                continue
+            data_format = name
+            break
+        else:
+            data_format = "preference"  # its message says what a pair needs
+    read_preference_records(records[: req.n or None], data_format, PAIRS)
+    return data_format
+
+
+def _pairs(req, data_format: str, tokenizer, max_seq_len: int):
+    from ftctl.config.schema import DataConfig
+    from ftctl.data.preference import PAIRS, tokenize_preference
+    from ftctl.data.records import read_records
+    from ftctl.data.sources import locate
+
     cfg = DataConfig(format=data_format, path=str(req.data_path), max_seq_len=max_seq_len, system_prompt=req.system_prompt)
-    source = locate(str(req.data_path), "data.path")
-    data = tokenize_preference(records[: req.n or None], source, data_format, cfg, tokenizer, PAIRS)
-    return data_format, data
+    return tokenize_preference(read_records(req.data_path)[: req.n or None], locate(str(req.data_path), "data.path"), data_format,
+                               cfg, tokenizer, PAIRS)
 
 
 def score_pairs(model, tokenizer, data, batch_size: int = 8):
@@ -102,6 +122,7 @@ def run_preference_eval(req) -> dict:
     from ftctl.evaluation.evaluate import load_for_generation, resolve_targets
     from ftctl.trained_run import trained_run_config
 
+    data_format = pair_format(req)
     model_name, adapter_dir = resolve_targets(req.model, req.adapter)
     run = trained_run_config(str(adapter_dir) if adapter_dir else None, req.model)
     beta = run.objective.beta if run is not None and run.objective.name == "dpo" else DEFAULT_BETA
@@ -111,7 +132,7 @@ def run_preference_eval(req) -> dict:
         base_name = model_name or json.loads((adapter_dir / "adapter_config.json").read_text()).get("base_model_name_or_path")
     else:
         base_name = run.model.name_or_path if run is not None else None  # a full fine-tune's run: its starting model
-    data_format, data = _pairs(req, tokenizer, max_seq_len)
+    data = _pairs(req, data_format, tokenizer, max_seq_len)
     log.info("eval: %d preference pairs of %s (%s), model %s%s", len(data), req.data_path, data_format,
              model_name or base_name, f" + adapter {adapter_dir}" if adapter_dir else "")
     scores = {"trained" if base_name else "model": score_pairs(trained, tokenizer, data, req.batch_size)}
