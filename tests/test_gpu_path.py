@@ -16,6 +16,10 @@ from ftctl.data.render import IGNORE_INDEX
 
 COMMON = ("precision=fp32", "train.max_steps=2", "train.micro_batch_size=2", "train.global_batch_size=4",
           "data.max_seq_len=128")
+# The step's one reduction and one read hold for every objective: DPO and KTO add their reward and log-prob sums to
+# it (KTO's KL estimate is a collective before the micro-batches, read by nobody); the reference is the training
+# model with its adapter off.
+OBJECTIVES = {"sft": (), "dpo": ("objective=dpo", "data=preference_sample"), "kto": ("objective=kto", "data=kto_sample")}
 
 
 def _examples(seed=4):
@@ -298,18 +302,20 @@ def _count_python_reads(watch, monkeypatch):
         monkeypatch.setattr(torch.Tensor, method, counted)
 
 
-def test_micro_batch_loop_reads_nothing_back(make_cfg, run_training, micro_batch_loop_watch, on_cpu):
+@pytest.mark.parametrize("objective", ["sft", "dpo"])
+def test_micro_batch_loop_reads_nothing_back(make_cfg, run_training, micro_batch_loop_watch, on_cpu, objective):
     """The CPU proof of "no host sync in the micro-batch loop": no value of a tensor is read by the
     host between the first forward of a packed step and its optimizer step (two micro-batches per step).
 
     Padded batches are not held to it: transformers checks their padding mask on the device
     (``padding_mask.all()``) once per forward while building the attention mask."""
-    _, metrics = run_training(make_cfg(*COMMON, "data.packing=true"))
+    _, metrics = run_training(make_cfg(*COMMON, *OBJECTIVES[objective], "data.packing=true"))
     assert [m["step"] for m in metrics if "loss" in m] == [1, 2]
     assert micro_batch_loop_watch.seen == []
 
 
-def test_a_step_reduces_once_and_reads_once(make_cfg, run_training, monkeypatch, on_cpu):
+@pytest.mark.parametrize("objective", sorted(OBJECTIVES))
+def test_a_step_reduces_once_and_reads_once(make_cfg, run_training, monkeypatch, on_cpu, objective):
     """The loss, token counts, non-finite flags, the stop flag and the gradient norm travel in one tensor:
     one collective and one host read per step, from the first step's start to the loop's end (metrics
     lines every step and the stop check included). It was four of each: the global token count, the
@@ -357,10 +363,14 @@ def test_a_step_reduces_once_and_reads_once(make_cfg, run_training, monkeypatch,
     monkeypatch.setattr(runner, "train_step", counted_step)
     monkeypatch.setattr(MetricsLogger, "close", loop_ends)
     _count_python_reads(watch, monkeypatch)
-    _, metrics = run_training(make_cfg(*COMMON, "data.packing=true", "train.max_steps=3", "train.log_every=1",
-                                       "train.save_every=0"))
-    assert [m["step"] for m in metrics if "loss" in m] == [1, 2, 3]
-    assert collectives == [1, 2, 3]
+    _, metrics = run_training(make_cfg(*COMMON, *OBJECTIVES[objective], "data.packing=true", "train.max_steps=3",
+                                       "train.log_every=1", "train.save_every=0"))
+    trained = [m for m in metrics if "loss" in m]
+    assert [m["step"] for m in trained] == [1, 2, 3]
+    if objective != "sft":  # the reward metrics came with the step's one reduction
+        assert all("rewards/accuracies" in m and "logps/chosen" in m for m in trained)
+    # KTO's KL estimate: one more collective before each step's micro-batches (the loss needs it), never read.
+    assert collectives == ([1, 1, 2, 2, 3, 3] if objective == "kto" else [1, 2, 3])
     reads_before_each_step = steps + [len(watch.seen)]
     assert [b - a for a, b in zip(reads_before_each_step[1:], reads_before_each_step[2:])] == [1, 1], watch.seen
     assert len(watch.seen) == 3, watch.seen
