@@ -507,3 +507,36 @@ def test_eval_reads_any_pair_format_and_checks_every_pair_before_loading_a_model
     assert main(["eval", "model=no-such-model", f"data.path={broken}", f"output={tmp_path}/eval"]) == 1
     err = capsys.readouterr().err
     assert f"{broken}:2: not a valid 'preference' record: missing required field 'rejected'" in err and "no-such-model" not in err
+
+
+def test_format_auto_reads_preference_data_and_named_eval_sets_score_rewards(dpo_cfg, run_training, tmp_path, caplog):
+    """data.format=auto picks the format that reads the first record as a pair (ranked Alpaca here, the
+    preference file for the named eval set); each named set logs its loss and reward metrics."""
+    rows = [json.loads(line) for line in PAIRS_FILE.read_text().splitlines()]
+    ranked = write_jsonl(tmp_path / "ranked.jsonl", [{"instruction": r["prompt"], "chosen": r["chosen"], "rejected": r["rejected"]}
+                                                     for r in rows])
+    with caplog.at_level(logging.INFO, logger="ftctl"):
+        _, metrics = run_training(dpo_cfg(f"data.path={ranked}", "data.format=auto", f"data.eval_sets={{held: {PAIRS_FILE}}}",
+                                          "train.max_steps=1"))
+    assert f"data.path={ranked}: alpaca (data.format=auto: its first record reads as pairs in it)" in caplog.text
+    assert f"data.eval_sets.held.path={PAIRS_FILE}: preference (data.format=auto" in caplog.text
+    evaluated = next(m for m in metrics if "eval/held_loss" in m)
+    assert 0 < evaluated["eval/held_loss"] < math.log(2)  # after one step, the pairs it trained on are preferred a little
+    assert 0 <= evaluated["eval/held_rewards/accuracies"] <= 1
+    assert {"eval/held_rewards/accuracies", "eval/held_rewards/margins", "eval/held_truncated_share"} <= set(evaluated)
+
+
+def test_format_auto_for_kto_and_max_record_bytes_skip_long_records(tmp_path, tokenizer, caplog):
+    from ftctl.config.schema import DataConfig
+    from ftctl.data.preference import UNPAIRED, load_or_tokenize_preference
+
+    assert pair_data(tokenizer, KTO_FILE, "auto", UNPAIRED).stats["format"] == "kto"
+    assert pair_data(tokenizer, PAIRS_FILE, "auto", UNPAIRED).stats["format"] == "preference"  # KTO reads pairs too
+    rows = [{"prompt": "Hi", "chosen": "a", "rejected": "b"}, {"prompt": "Hi", "chosen": "x" * 500, "rejected": "b"},
+            {"prompt": "Hey", "chosen": "c", "rejected": "d"}]
+    path = write_jsonl(tmp_path / "pairs.jsonl", rows)
+    cfg = DataConfig(format="auto", path=str(path), max_record_bytes=200, cache_dir=str(tmp_path / "cache"))
+    with caplog.at_level(logging.WARNING, logger="ftctl"):
+        data = load_or_tokenize_preference(str(path), cfg, tokenizer, "pairs")
+    assert len(data) == 2 and data.stats["skipped_too_long"] == 1
+    assert f"skipped 1 record longer than data.max_record_bytes=200 (the first: {path}:2" in caplog.text

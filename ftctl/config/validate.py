@@ -221,13 +221,18 @@ def _check_objective(cfg: RunConfig) -> None:
         raise ConfigError(f"objective={o.name} reads one preference source: set data.path (data.mixture is for SFT data)")
     if d.train_on_prompt:
         raise ConfigError(f"objective={o.name} compares answers to one prompt, so only answers train; set data.train_on_prompt=false")
-    from data_formats import get_format
+    from data_formats import AUTO, get_format
+    from ftctl.config.eval_sets import named_eval_sets
 
-    fmt = get_format(d.format)
-    if not (fmt.gives_pairs or (o.name == "kto" and fmt.gives_unpaired)):
-        wanted = "preference, kto, alpaca or sharegpt" if o.name == "kto" else "preference, alpaca or sharegpt (with chosen and rejected)"
-        raise ConfigError(f"objective={o.name} trains on preference data, which data.format={d.format} does not hold; use "
-                          f"data.format={wanted}")
+    named = [(f"data.eval_sets.{name}.format", entry.format) for name, entry in named_eval_sets(d.eval_sets).items()]
+    for key, value in [("data.format", d.format), *named]:
+        if value in (None, AUTO):  # auto: the format that reads the first record as preference data (one line if none does)
+            continue
+        fmt = get_format(value)
+        if not (fmt.gives_pairs or (o.name == "kto" and fmt.gives_unpaired)):
+            wanted = "preference, kto, alpaca or sharegpt" if o.name == "kto" else "preference, alpaca or sharegpt (with chosen and rejected)"
+            raise ConfigError(f"objective={o.name} trains on preference data, which {key}={value} does not hold; use "
+                              f"{key}={wanted} (or auto)")
 
 
 def _check_run_length(t) -> None:

@@ -240,7 +240,7 @@ def tokenize_preference(records: Iterable[Record], source: DataSource, data_form
     n = len(truncated)
     stats = {"examples": n, "kind": kind, "truncated": int(sum(truncated)), "truncated_share": sum(truncated) / n,
              "dropped_identical": dropped["identical"], "dropped_empty": dropped["empty"], "dropped_no_trained_tokens": 0,
-             "source": source.describe(), "format": data_format, "format_detected": detected}
+             "source": source.describe(), "key": source.key, "format": data_format, "format_detected": detected}
     if limit is not None and limit.skipped:
         stats["skipped_too_long"] = limit.skipped
         stats["skipped_note"] = limit.summary()
