@@ -46,44 +46,42 @@ def is_preference_eval(data_path: str, data_format: Optional[str]) -> bool:
 
 
 def pair_format(req) -> str:
-    """The format to read ``req``'s pairs with: data.format, or the first format (preference, alpaca, sharegpt, ...)
-    that reads the file's first record as a pair. Checks every record now, before any model loads."""
-    from data_formats import FormatError, available, get_format
-    from ftctl.data.preference import PAIRS, read_preference_records
-    from ftctl.data.records import read_records
+    """The format to read ``req``'s pairs with: data.format, or (auto) the format that reads the file's first record
+    as a pair (data.format=auto's rule for pairs). Checks every pair now, before any model loads."""
+    from data_formats import AUTO, PAIRS, detect_format, get_format
+    from ftctl.data.preference import read_preference_records
 
-    records = read_records(req.data_path)
-    if not records:
+    first = next(_records(req), None)
+    if first is None:
         raise FtctlError(f"{req.data_path}: the file holds no examples")
-    data_format = req.data_format
+    data_format = req.data_format if req.data_format != AUTO else None
     if data_format is not None and not get_format(data_format).gives_pairs:
         if get_format(data_format).gives_unpaired:
             raise FtctlError(f"data.format={data_format}: ftctl eval scores preference pairs; a KTO file has one answer per prompt")
         data_format = None
     if data_format is None:
-        candidates = ["preference"] + [name for name in available() if name != "preference" and get_format(name).gives_pairs]
-        for name in candidates:
-            try:
-                get_format(name).to_pair(records[0].data)
-            except FormatError:
-                continue
-            data_format = name
-            break
-        else:
-            data_format = "preference"  # its message says what a pair needs
-    read_preference_records(records[: req.n or None], data_format, PAIRS)
+        data_format, _ = detect_format(first.data, PAIRS)
+    for _ in read_preference_records(_records(req), data_format, PAIRS):
+        pass
     return data_format
+
+
+def _records(req):
+    """The file's first ``req.n`` records (all when 0), one at a time."""
+    import itertools
+
+    from ftctl.data.records import iter_records
+
+    return itertools.islice(iter_records(req.data_path), req.n or None)
 
 
 def _pairs(req, data_format: str, tokenizer, max_seq_len: int):
     from ftctl.config.schema import DataConfig
     from ftctl.data.preference import PAIRS, tokenize_preference
-    from ftctl.data.records import read_records
     from ftctl.data.sources import locate
 
     cfg = DataConfig(format=data_format, path=str(req.data_path), max_seq_len=max_seq_len, system_prompt=req.system_prompt)
-    return tokenize_preference(read_records(req.data_path)[: req.n or None], locate(str(req.data_path), "data.path"), data_format,
-                               cfg, tokenizer, PAIRS)
+    return tokenize_preference(_records(req), locate(str(req.data_path), "data.path"), data_format, cfg, tokenizer, PAIRS)
 
 
 def score_pairs(model, tokenizer, data, batch_size: int = 8):
