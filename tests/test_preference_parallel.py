@@ -1,10 +1,12 @@
-"""DPO on every distributed backend equals one process: loss and gradient norm at every step.
+"""Preference objectives on every distributed backend equal one process: loss and gradient norm at every step.
 
 One 2-process torchrun launch of tests/distributed_harness.py trains DPO with LoRA on DDP, FSDP and
 ZeRO-1/2/3 (the fresh adapter's reference is the wrapped model with the adapter switched off, a
 collective forward on FSDP and ZeRO-3), and full fine-tuning with precomputed reference log-probs on
 ZeRO-3 (the ranks share the scoring pass and one all-reduce gathers it) and DDP (which reads what ZeRO-3
-cached). Each must match the single-process run of the same config, trained here.
+cached); and the other objectives once each: KTO on ZeRO-3 (its KL estimate is reduced over the ranks
+before the step), SimPO fully fine-tuned on FSDP, ORPO with DoRA on DDP. Each must match the
+single-process run of the same config, trained here. The GPU of a GPU host is hidden: gloo ranks on the CPU.
 """
 
 from __future__ import annotations
@@ -14,19 +16,22 @@ from pathlib import Path
 
 import pytest
 
+from devices import cpu_only
 from distributed_harness import launch
-from ftctl.preflight import gpu_visible
 
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(gpu_visible(), reason="2 gloo ranks on the CPU; on a GPU host the ranks would share its GPU"),
-]
+pytestmark = pytest.mark.slow
 
 STEPS = 3
 RTOL = 1e-4  # fp32, as tests/test_parallel.py: summation order over ranks and buckets only
 # The ZeRO-3 precompute job runs first: its ranks score the data (a collective pass through DeepSpeed), then DDP reads the cache.
-JOBS = [("ddp", "lora", False), ("fsdp", "lora", False), ("zero1", "lora", False), ("zero2", "lora", False),
-        ("zero3", "lora", False), ("zero3", "full", True), ("ddp", "full", True)]
+JOBS = [("ddp", "lora", "dpo", False), ("fsdp", "lora", "dpo", False), ("zero1", "lora", "dpo", False), ("zero2", "lora", "dpo", False),
+        ("zero3", "lora", "dpo", False), ("zero3", "full", "dpo", True), ("ddp", "full", "dpo", True),
+        ("zero3", "lora", "kto", False), ("fsdp", "full", "simpo", False), ("ddp", "dora", "orpo", False)]
+SINGLE = sorted({(method, objective) for _, method, objective, _ in JOBS})
+
+
+def overrides(method: str, objective: str) -> list:
+    return [f"method={method}", f"objective={objective}"] + (["data=kto_sample"] if objective == "kto" else [])
 
 
 @pytest.fixture(scope="module")
@@ -50,27 +55,31 @@ def runs(common, tmp_path_factory):
     from ftctl.training.runner import train
 
     root = tmp_path_factory.mktemp("preference_parallel")
-    for method in ("lora", "full"):
-        cfg = compose_config([*common, "parallel=single", f"method={method}", f"output_dir={root}/single-{method}"])
-        train(cfg, prepare_run_dir(cfg))
-    jobs = [{"id": f"{backend}-{method}", "overrides": [f"parallel={backend}", f"method={method}", f"output_dir={root}/{backend}-{method}",
-                                                       f"objective.precompute_reference={str(precompute).lower()}"]}
-            for backend, method, precompute in JOBS]
-    evidence = launch(2, common, jobs, root)
+    with cpu_only():
+        for method, objective in SINGLE:
+            cfg = compose_config([*common, "parallel=single", *overrides(method, objective), f"output_dir={root}/single-{objective}-{method}"])
+            train(cfg, prepare_run_dir(cfg))
+        jobs = [{"id": f"{backend}-{objective}-{method}",
+                 "overrides": [f"parallel={backend}", *overrides(method, objective), f"output_dir={root}/{backend}-{objective}-{method}",
+                               f"objective.precompute_reference={str(precompute).lower()}"]}
+                for backend, method, objective, precompute in JOBS]
+        evidence = launch(2, common, jobs, root)
     return root, evidence
 
 
-@pytest.mark.parametrize("backend, method, precompute", JOBS, ids=[f"{b}-{m}" for b, m, _ in JOBS])
-def test_dpo_on_a_backend_equals_one_process(runs, backend, method, precompute):
+@pytest.mark.parametrize("backend, method, objective, precompute", JOBS, ids=[f"{b}-{o}-{m}" for b, m, o, _ in JOBS])
+def test_an_objective_on_a_backend_equals_one_process(runs, backend, method, objective, precompute):
     root, evidence = runs
-    got, want = curve(root / f"{backend}-{method}"), curve(root / f"single-{method}")
+    got, want = curve(root / f"{backend}-{objective}-{method}"), curve(root / f"single-{objective}-{method}")
     assert sorted(got) == list(range(1, STEPS + 1))
     for step in want:
         # Not the reward accuracy: at step 1 a full fine-tune is its own reference, every reward a tie within rounding.
-        for key in ("loss", "grad_norm", "rewards/margins"):
+        keys = [key for key in ("loss", "grad_norm", "rewards/margins", "kl") if key in want[step]]
+        assert "loss" in keys and "grad_norm" in keys
+        for key in keys:
             assert got[step][key] == pytest.approx(want[step][key], rel=RTOL, abs=1e-6), (backend, method, step, key)
     # It really ran sharded: FSDP holds DTensor shards, ZeRO-3 released its gathered parameters.
-    rank0 = evidence[f"{backend}-{method}"]["ranks"][0]
+    rank0 = evidence[f"{backend}-{objective}-{method}"]["ranks"][0]
     if backend == "fsdp":
         assert rank0["dtensor_shard0"] == rank0["trainable_count"] > 0
     if backend == "zero3":
