@@ -146,9 +146,9 @@ def under_mapping(key: str, fields) -> bool:
 def _unknown_key_hint(key: str, fields) -> str:
     name = key.rsplit(".", 1)[-1]
     placed = [k for k in fields if k.rsplit(".", 1)[-1] == name]
-    if len(placed) == 1:  # an ftctl name in the wrong section, or without one
-        return f" Did you mean '{placed[0]}'?"
     meaning = OTHER_TOOLS_NAMES.get(name.lower().replace("-", "_"))
+    if len(placed) == 1:  # an ftctl name in the wrong section, or without one (or another tool's: axolotl's adapter)
+        return f" Did you mean '{placed[0]}'?" + (f" (Other tools' {name}: {meaning}.)" if meaning else "")
     if meaning:  # by meaning before spelling: lr_rate is train.lr, though it is spelled like min_lr_ratio
         return f" ftctl's name for it: {meaning}."
     section = key.split(".")[0]
