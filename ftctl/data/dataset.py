@@ -12,7 +12,7 @@ import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, Iterable, List, Optional, Tuple
+from typing import Dict, Iterable, Iterator, List, Optional, Tuple
 
 import numpy as np
 
@@ -126,17 +126,25 @@ def tokenize_file(path: str | Path, cfg: DataConfig, tokenizer) -> TokenizedData
     return tokenize_records(iter_source(source, limit), source, cfg.format, cfg, tokenizer, limit)
 
 
+def first_record(records: Iterable[Record], source: DataSource, limit: Optional[RecordLimit] = None) -> Tuple[Record, Iterator[Record]]:
+    """(the first record, every record again, the first put back): what data.format=auto reads before the rest.
+    A source without a record is one line (with what data.max_record_bytes skipped)."""
+    records = iter(records)
+    first = next(records, None)
+    if first is None:
+        where = source.location if source.kind != "hub" else source.value
+        skipped = f"; {limit.summary()}" if limit is not None and limit.skipped else ""
+        raise FtctlError(f"{where}: the {'file' if source.kind == 'file' else 'dataset'} holds no examples{skipped}")
+    return first, itertools.chain([first], records)
+
+
 def tokenize_records(records: Iterable[Record], source: DataSource, data_format: str, cfg: DataConfig, tokenizer,
                      limit: Optional[RecordLimit] = None) -> TokenizedDataset:
     """Tokenize records as they come (a generator keeps only one in memory), with the counts a log needs."""
     ids, labels, offsets = [], [], [0]
     stats = {"examples": 0, "truncated": 0, "dropped_no_trained_tokens": 0}
     where = source.location if source.kind != "hub" else source.value
-    records = iter(records)
-    first = next(records, None)
-    if first is None:
-        skipped = f"; {limit.summary()}" if limit is not None and limit.skipped else ""
-        raise FtctlError(f"{where}: the {'file' if source.kind == 'file' else 'dataset'} holds no examples{skipped}")
+    first, records = first_record(records, source, limit)
     stats.update(source=source.describe(), key=source.key, format=data_format, format_detected=None)
     if data_format == AUTO:
         try:
@@ -145,7 +153,7 @@ def tokenize_records(records: Iterable[Record], source: DataSource, data_format:
             raise FtctlError(f"{first.source}: {exc}") from None
         stats["format"] = data_format
     fmt = get_format(data_format)
-    for record in itertools.chain([first], records):
+    for record in records:
         try:
             if fmt.plain_text:
                 examples = tokenize_text(fmt.to_text(record.data), tokenizer, cfg.max_seq_len)
@@ -210,18 +218,19 @@ def load_or_tokenize(
     else:
         limit = RecordLimit(cfg.max_record_bytes)
         data = tokenize_records(iter_source(source, limit), source, data_format, cfg, tokenizer, limit)
-        _write_cache(entry, data)
+        write_cache(entry, data)
     if data.stats.get("skipped_note"):
         log.warning("%s: %s", source.describe(), data.stats["skipped_note"])
     return data
 
 
-def _write_cache(entry: Path, data: TokenizedDataset) -> None:
-    """Keep the tokenized data for the next run; a cache that cannot be written costs a warning, not the run."""
+def write_cache(entry: Path, data, **arrays: np.ndarray) -> None:
+    """Keep the tokenized data (and ``arrays``, e.g. preference data's labels) for the next run; a cache that
+    cannot be written costs a warning, not the run."""
     tmp = entry.with_name(f"{entry.stem}.{os.getpid()}.tmp.npz")
     try:
         entry.parent.mkdir(parents=True, exist_ok=True)
-        np.savez(tmp, input_ids=data.input_ids, labels=data.labels, offsets=data.offsets, stats=json.dumps(data.stats))
+        np.savez(tmp, input_ids=data.input_ids, labels=data.labels, offsets=data.offsets, stats=json.dumps(data.stats), **arrays)
         os.replace(tmp, entry)
         data.stats["cache"] = "miss"
     except OSError as exc:

@@ -30,10 +30,8 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import itertools
 import json
 import logging
-import os
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
@@ -43,6 +41,7 @@ import numpy as np
 from data_formats import AUTO, PAIRS, UNPAIRED, FormatError, LabelledAnswer, PreferencePair, detect_format, get_format, other_format_hint
 from ftctl.config.schema import DataConfig
 from ftctl.data.batching import Batching, MicroBatch, StepShare, collate, pack_examples
+from ftctl.data.dataset import first_record
 from ftctl.data.records import Record, RecordLimit
 from ftctl.data.render import IGNORE_INDEX, TemplateError, ensure_chat_template, tokenize_conversation
 from ftctl.data.sources import DataSource, iter_source, locate
@@ -187,15 +186,10 @@ def tokenize_preference(records: Iterable[Record], source: DataSource, data_form
     """Tokenize records as they come (a generator keeps one in memory; KTO keeps each answer's rendering until
     the KL partners are known); ``limit`` counts the records data.max_record_bytes skipped."""
     where = source.location if source.kind != "hub" else source.value
-    records = iter(records)
-    first = next(records, None)
-    if first is None:
-        skipped = f"; {limit.summary()}" if limit is not None and limit.skipped else ""
-        raise FtctlError(f"{where}: the {'file' if source.kind == 'file' else 'dataset'} holds no examples{skipped}")
+    first, records = first_record(records, source, limit)
     detected = None
     if data_format == AUTO:
         data_format, detected = detect_preference_format(first, kind)
-    records = itertools.chain([first], records)
     sequences: List[Tuple[List[int], List[int]]] = []
     truncated, desirable = [], []
     dropped = {"identical": 0, "empty": 0}
@@ -262,7 +256,7 @@ def load_or_tokenize_preference(path: str | DataSource, cfg: DataConfig, tokeniz
                                 data_format: Optional[str] = None) -> PreferenceDataset:
     """Tokenize a preference source in ``data_format`` (default data.format), or reuse the cache entry keyed as
     SFT data is (content, tokenizer, settings, data.max_record_bytes) plus the kind."""
-    from ftctl.data.dataset import _cache_key
+    from ftctl.data.dataset import _cache_key, write_cache
 
     source = path if isinstance(path, DataSource) else locate(str(path), key, cfg.split, cfg.subset)
     data_format = data_format or cfg.format
@@ -277,30 +271,11 @@ def load_or_tokenize_preference(path: str | DataSource, cfg: DataConfig, tokeniz
     else:
         limit = RecordLimit(cfg.max_record_bytes)
         data = tokenize_preference(iter_source(source, limit), source, data_format, cfg, tokenizer, kind, limit)
-        _write_cache(entry, data)
+        write_cache(entry, data, truncated=data.truncated,
+                    desirable=data.desirable if data.desirable is not None else np.zeros(0, dtype=bool))
     if data.stats.get("skipped_note"):
         log.warning("%s: %s", source.describe(), data.stats["skipped_note"])
     return data
-
-
-def _write_cache(entry: Path, data: PreferenceDataset) -> None:
-    """Keep the tokenized pairs for the next run; a cache that cannot be written costs a warning, not the run."""
-    tmp = entry.with_name(f"{entry.stem}.{os.getpid()}.tmp.npz")
-    try:
-        entry.parent.mkdir(parents=True, exist_ok=True)
-        np.savez(tmp, input_ids=data.input_ids, labels=data.labels, offsets=data.offsets, truncated=data.truncated,
-                 desirable=data.desirable if data.desirable is not None else np.zeros(0, dtype=bool), stats=json.dumps(data.stats))
-        os.replace(tmp, entry)
-        data.stats["cache"] = "miss"
-    except OSError as exc:
-        from ftctl.fs_faults import fault_errno, fault_message
-
-        tmp.unlink(missing_ok=True)
-        code = fault_errno(exc, entry.parent)
-        if code is None:
-            raise
-        log.warning("tokenized data not cached: %s", fault_message(code, entry.parent, "the tokenized-data cache", data.input_ids.nbytes * 2))
-        data.stats["cache"] = "not written"
 
 
 def build_preference_datasets(cfg: DataConfig, tokenizer, seed: int, kind: str) -> Tuple[PreferenceDataset, Optional[PreferenceDataset]]:
