@@ -498,8 +498,14 @@ def test_eval_reads_any_pair_format_and_checks_every_pair_before_loading_a_model
     from ftctl.evaluation.evaluate import EvalRequest
     from ftctl.evaluation.preference import pair_format
 
+    from ftctl.evaluation.preference import is_preference_eval
+
     ranked = write_jsonl(tmp_path / "ranked.jsonl", [{"instruction": "Hi", "chosen": "a", "rejected": "b"}])
+    sft = write_jsonl(tmp_path / "sft.jsonl", [{"instruction": "Hi", "output": "a"}])
+    assert is_preference_eval(str(ranked), "auto") and is_preference_eval(str(PAIRS_FILE), None)
+    assert not is_preference_eval(str(sft), "auto") and not is_preference_eval(str(sft), "alpaca")
     assert pair_format(EvalRequest(str(ranked), "out")) == "alpaca"
+    assert pair_format(EvalRequest(str(ranked), "out", data_format="auto")) == "alpaca"
     assert pair_format(EvalRequest(str(PAIRS_FILE), "out")) == "preference"
     with pytest.raises(FtctlError, match="a KTO file has one answer per prompt"):
         pair_format(EvalRequest(str(KTO_FILE), "out", data_format="kto"))

@@ -29,10 +29,10 @@ DEFAULT_BETA = 0.1
 
 
 def is_preference_eval(data_path: str, data_format: Optional[str]) -> bool:
-    """Whether `ftctl eval` should score pairs: the format says so, or (unset) the first record has two answers."""
-    if data_format is not None:
-        from data_formats import get_format
+    """Whether `ftctl eval` should score pairs: the format says so, or (unset or auto) the first record has two answers."""
+    from data_formats import AUTO, get_format
 
+    if data_format not in (None, AUTO):
         fmt = get_format(data_format)
         if data_format in PREFERENCE_FORMATS or (fmt.gives_unpaired and not fmt.gives_conversations):
             return True
