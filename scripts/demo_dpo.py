@@ -37,16 +37,17 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=40)
     args = parser.parse_args()
     start = time.perf_counter()
-    run_dir = start_demo(args.run_dir)
+    run_dir, scored_early = start_demo(args.run_dir)
     generated = [f"recipe={GENERATION_RECIPE}", f"max_new_tokens={args.max_new_tokens}"]
     times = {}
     times["prepare"] = run(["models", "--prepare", MODEL], "1/4 the default model (converted from GGUF on first use)")
-    times["eval before"] = run(["eval", *generated, f"output={run_dir / 'orders-before'}"],
+    times["eval before"] = run(["eval", *generated, f"output={scored_early}"],
                                "2/4 the base model's generated orders on held-out requests")
     train_args = ["train", f"recipe={RECIPE}", f"output_dir={run_dir}", "overwrite=true"]
     if args.steps:
         train_args.append(f"train.max_steps={args.steps}")
     times["train"] = run(train_args, "3/4 DPO with LoRA: the correct order preferred to a plausible wrong one")
+    scored_early.rename(run_dir / "orders-before")
     times["eval after"] = run(["eval", f"adapter={run_dir}", f"data.path={HELD_OUT_PAIRS}", f"output={run_dir / 'pairs'}"],
                               "4/4 held-out pairs scored by the base and the trained model")
     times["eval after"] += run(["eval", *generated, f"adapter={run_dir}", f"output={run_dir / 'orders-after'}"],
