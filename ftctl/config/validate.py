@@ -217,6 +217,11 @@ def _check_objective(cfg: RunConfig) -> None:
                           "set objective.sft_weight=0")
     if o.name not in PREFERENCE_OBJECTIVES:
         return
+    if cfg.parallel.name == "mesh":
+        # A pipeline's schedule computes the token loss inside its last stage, and the pair log-probs have not
+        # been proven against one process under tensor or expert splits.
+        raise ConfigError(f"objective={o.name} does not run on parallel=mesh (tensor/pipeline/expert parallel) yet; "
+                          "use parallel=fsdp or zero3 to shard a preference run")
     if d.mixture:
         raise ConfigError(f"objective={o.name} reads one preference source: set data.path (data.mixture is for SFT data)")
     if d.train_on_prompt:
