@@ -189,10 +189,12 @@ def _eval_loss_of(model, cfg, model_dir) -> float:
 
     tokenizer = load_tokenizer(cfg.model, str(model_dir))
     _, eval_data = build_datasets(cfg.data, tokenizer, cfg.seed)
-    backend = SimpleNamespace(rank=0, world_size=1, device=torch.device("cpu"), all_reduce_sum=lambda x: x)
-    engine = SimpleNamespace(module=model, optimizer=None)
-    loss, _ = evaluate(engine, eval_data, Batching.from_config(cfg, tokenizer.pad_token_id), backend,
-                       resolve_precision(cfg.precision, backend.device))
+    from ftctl.parallel.base import TorchEngine
+
+    backend = SimpleNamespace(rank=0, world_size=1, dp_rank=0, dp_size=1, device=torch.device("cpu"), all_reduce_sum=lambda x: x)
+    precision = resolve_precision(cfg.precision, backend.device)
+    engine = TorchEngine(model, None, precision)
+    loss, _ = evaluate(engine, eval_data, Batching.from_config(cfg, tokenizer.pad_token_id), backend, precision)
     return loss
 
 
