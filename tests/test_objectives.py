@@ -549,3 +549,19 @@ def test_format_auto_for_kto_and_max_record_bytes_skip_long_records(tmp_path, to
         data = load_or_tokenize_preference(str(path), cfg, tokenizer, "pairs")
     assert len(data) == 2 and data.stats["skipped_too_long"] == 1
     assert f"skipped 1 record longer than data.max_record_bytes=200 (the first: {path}:2" in caplog.text
+
+
+@pytest.mark.slow
+def test_dpo_raises_held_out_preference_accuracy_on_the_demo_task_by_30_points(make_cfg, run_training, tmp_path, capsys):
+    """The preference demo's learning check at test size: the demo's 400 training pairs (correct JSON order
+    against a plausible wrong one) and its 50 held-out pairs, on the tiny Llama instead of SmolLM2
+    (`make demo-dpo` measures SmolLM2: 0.50 -> 1.00). Measured here: 0.50 -> 0.96 after 20 steps."""
+    held_out = samples_dir() / "demo" / "orders_heldout.pairs.jsonl"
+    result, _ = run_training(make_cfg("objective=dpo", "data=demo_orders_pairs", "method=full", "train.max_steps=20",
+                                      "train.lr=2e-3", "train.global_batch_size=8", "train.micro_batch_size=8",
+                                      "data.eval_fraction=0", "data.eval_path=null"))
+    assert main(["eval", f"model={result.final_dir}", f"data.path={held_out}", f"output={tmp_path}/eval"]) == 0
+    capsys.readouterr()
+    summary = json.loads((tmp_path / "eval" / "eval.json").read_text())
+    assert summary["n"] == 50
+    assert summary["trained"]["accuracy"] - summary["base"]["accuracy"] >= 0.30, summary
