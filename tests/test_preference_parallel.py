@@ -12,6 +12,7 @@ single-process run of the same config, trained here. The GPU of a GPU host is hi
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -55,21 +56,27 @@ def runs(common, tmp_path_factory):
     from ftctl.training.runner import train
 
     root = tmp_path_factory.mktemp("preference_parallel")
-    with cpu_only():
-        for method, objective in SINGLE:
-            cfg = compose_config([*common, "parallel=single", *overrides(method, objective), f"output_dir={root}/single-{objective}-{method}"])
-            train(cfg, prepare_run_dir(cfg))
-        jobs = [{"id": f"{backend}-{objective}-{method}",
-                 "overrides": [f"parallel={backend}", *overrides(method, objective), f"output_dir={root}/{backend}-{objective}-{method}",
-                               f"objective.precompute_reference={str(precompute).lower()}"]}
-                for backend, method, objective, precompute in JOBS]
-        evidence = launch(2, common, jobs, root)
-    return root, evidence
+    # A home of its own: the reference cache then holds only these runs' passes, whatever ran before on this worker.
+    home, session_home = root / "ftctl_home", os.environ["FTCTL_HOME"]
+    os.environ["FTCTL_HOME"] = str(home)
+    try:
+        with cpu_only():
+            for method, objective in SINGLE:
+                cfg = compose_config([*common, "parallel=single", *overrides(method, objective), f"output_dir={root}/single-{objective}-{method}"])
+                train(cfg, prepare_run_dir(cfg))
+            jobs = [{"id": f"{backend}-{objective}-{method}",
+                     "overrides": [f"parallel={backend}", *overrides(method, objective), f"output_dir={root}/{backend}-{objective}-{method}",
+                                   f"objective.precompute_reference={str(precompute).lower()}"]}
+                    for backend, method, objective, precompute in JOBS]
+            evidence = launch(2, common, jobs, root)
+    finally:
+        os.environ["FTCTL_HOME"] = session_home
+    return root, evidence, home
 
 
 @pytest.mark.parametrize("backend, method, objective, precompute", JOBS, ids=[f"{b}-{o}-{m}" for b, m, o, _ in JOBS])
 def test_an_objective_on_a_backend_equals_one_process(runs, backend, method, objective, precompute):
-    root, evidence = runs
+    root, evidence, home = runs
     got, want = curve(root / f"{backend}-{objective}-{method}"), curve(root / f"single-{objective}-{method}")
     assert sorted(got) == list(range(1, STEPS + 1))
     for step in want:
@@ -85,6 +92,4 @@ def test_an_objective_on_a_backend_equals_one_process(runs, backend, method, obj
     if backend == "zero3":
         assert rank0["released_params"] > 0
     if precompute:
-        from ftctl.paths import ftctl_home
-
-        assert len(list((ftctl_home() / "reference_cache").glob("*.npy"))) == 1  # one pass, shared by both jobs
+        assert len(list((home / "reference_cache").glob("*.npy"))) == 1  # one pass, shared by both jobs
