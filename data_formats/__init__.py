@@ -17,7 +17,7 @@ from __future__ import annotations
 import importlib
 import pkgutil
 from dataclasses import dataclass
-from typing import Any, Dict, List, Tuple, Type
+from typing import Any, Dict, List, Optional, Tuple, Type
 
 Message = Dict[str, str]
 ROLES = ("system", "user", "assistant")
@@ -174,6 +174,13 @@ def other_format_hint(record: Dict[str, Any], tried: str) -> str:
         if name != tried and _converts(name, record):
             return f" The record reads as data.format={name}."
     return ""
+
+
+def with_system_prompt(messages: List[Message], system: Optional[str]) -> List[Message]:
+    """``messages`` opened by ``system`` unless empty or the conversation has its own system turn."""
+    if system and messages[0]["role"] != "system":
+        return [{"role": "system", "content": system}] + messages
+    return messages
 
 
 def require_text(record: Dict[str, Any], key: str, *, optional: bool = False) -> str:

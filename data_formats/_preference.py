@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, List
 
-from data_formats import FormatError, LabelledAnswer, Message, PreferencePair
+from data_formats import FormatError, LabelledAnswer, Message, PreferencePair, with_system_prompt
 from data_formats.sharegpt import parse_turns
 
 
@@ -25,9 +25,7 @@ def prompt_messages(value: Any, field: str, system: str = "") -> List[Message]:
         raise FormatError(f"field '{field}' must be a string or a list of messages, got {type(value).__name__}")
     if messages[-1]["role"] != "user":
         raise FormatError(f"'{field}' must end with a user turn (the answers follow it); it ends with a {messages[-1]['role']} turn")
-    if system and messages[0]["role"] != "system":
-        messages = [{"role": "system", "content": system}] + messages
-    return as_context(messages)
+    return as_context(with_system_prompt(messages, system))
 
 
 def as_context(messages: List[Message]) -> List[Message]:

@@ -14,10 +14,8 @@ Any of them also trains KTO: a pair gives a desirable and an undesirable example
 
 from __future__ import annotations
 
-from data_formats import DataFormat, FormatError, PreferencePair, register, require_text
-from data_formats._preference import (
-    answer_text, pair_after_conversation, pair_from_conversations, prompt_messages, refuse_sft_record,
-)
+from data_formats import DataFormat, FormatError, register, require_text
+from data_formats._preference import pair_after_conversation, pair_from_conversations, refuse_sft_record
 
 
 @register
@@ -30,11 +28,9 @@ class Preference(DataFormat):
     def to_pair(self, record):
         refuse_sft_record(record)
         system = require_text(record, "system", optional=True)
-        if "messages" in record:
-            return pair_after_conversation(record, "messages", system)
-        if "prompt" in record:
-            return PreferencePair(prompt_messages(record["prompt"], "prompt", system), answer_text(record, "chosen"),
-                                  answer_text(record, "rejected"))
+        for field in ("messages", "prompt"):
+            if field in record:
+                return pair_after_conversation(record, field, system)
         for field in ("chosen", "rejected"):
             if field not in record:
                 raise FormatError(f"missing required field '{field}'")

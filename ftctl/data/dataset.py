@@ -16,7 +16,7 @@ from typing import Dict, Iterable, Iterator, List, Optional, Tuple
 
 import numpy as np
 
-from data_formats import AUTO, FormatError, available, detect_format, get_format, other_format_hint
+from data_formats import AUTO, FormatError, available, detect_format, get_format, other_format_hint, with_system_prompt
 from ftctl.config.schema import DataConfig
 from ftctl.data.records import Record, RecordLimit
 from ftctl.data.render import TemplateError, ensure_chat_template, tokenize_conversation, tokenize_text
@@ -193,10 +193,9 @@ def tokenize_records(records: Iterable[Record], source: DataSource, data_format:
 
 
 def _tokenize_chat(messages, cfg: DataConfig, tokenizer, record: Record):
-    if cfg.system_prompt and messages[0]["role"] != "system":
-        messages = [{"role": "system", "content": cfg.system_prompt}] + messages
     try:
-        return tokenize_conversation(messages, tokenizer, cfg.max_seq_len, cfg.train_on_prompt)
+        return tokenize_conversation(with_system_prompt(messages, cfg.system_prompt), tokenizer, cfg.max_seq_len,
+                                     cfg.train_on_prompt)
     except TemplateError as exc:
         raise FtctlError(f"{record.source}: {exc}") from None
 

@@ -38,7 +38,10 @@ from typing import Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from data_formats import AUTO, PAIRS, UNPAIRED, FormatError, LabelledAnswer, PreferencePair, detect_format, get_format, other_format_hint
+from data_formats import (
+    AUTO, PAIRS, UNPAIRED, FormatError, LabelledAnswer, PreferencePair, detect_format, get_format, other_format_hint,
+    with_system_prompt,
+)
 from ftctl.config.schema import DataConfig
 from ftctl.data.batching import Batching, MicroBatch, StepShare, collate, pack_examples
 from ftctl.data.dataset import first_record
@@ -146,12 +149,6 @@ def _check_prompt_fits(prompt: List[int], max_seq_len: int, record: Record) -> N
         )
 
 
-def _with_system(prompt, system_prompt: Optional[str]):
-    if system_prompt and prompt[0]["role"] != "system":
-        return [{"role": "system", "content": system_prompt}] + prompt
-    return prompt
-
-
 def detect_preference_format(record: Record, kind: str) -> Tuple[str, str]:
     """data.format=auto for a preference objective: (format, why) from the first record; KTO reads pairs too."""
     name, why = detect_format(record.data, kind)
@@ -195,7 +192,7 @@ def tokenize_preference(records: Iterable[Record], source: DataSource, data_form
     dropped = {"identical": 0, "empty": 0}
     rendered: List[Tuple[Record, _Rendered, bool]] = []  # KTO: (record, rendering, label), before KL partners
     for record, item in read_preference_records(records, data_format, kind):
-        prompt = _with_system(item.prompt, cfg.system_prompt)
+        prompt = with_system_prompt(item.prompt, cfg.system_prompt)
         if isinstance(item, PreferencePair):
             if not item.chosen.strip() or not item.rejected.strip():
                 dropped["empty"] += 1

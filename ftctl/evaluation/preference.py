@@ -24,7 +24,6 @@ from ftctl.errors import FtctlError
 
 log = logging.getLogger("ftctl")
 
-PREFERENCE_FORMATS = ("preference",)
 DEFAULT_BETA = 0.1
 
 
@@ -32,10 +31,8 @@ def is_preference_eval(data_path: str, data_format: Optional[str]) -> bool:
     """Whether `ftctl eval` should score pairs: the format says so, or (unset or auto) the first record has two answers."""
     from data_formats import AUTO, get_format
 
-    if data_format not in (None, AUTO):
-        fmt = get_format(data_format)
-        if data_format in PREFERENCE_FORMATS or (fmt.gives_unpaired and not fmt.gives_conversations):
-            return True
+    if data_format not in (None, AUTO) and not get_format(data_format).gives_conversations:
+        return True
     from ftctl.data.records import iter_records
 
     path = Path(data_path).expanduser() if data_path else None
