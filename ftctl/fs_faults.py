@@ -59,7 +59,8 @@ def diagnose(path: Path) -> Optional[int]:
         return errno.EROFS
     if stats.f_bavail * stats.f_frsize < 1 << 20:  # under 1 MiB left: a write of any checkpoint file fails
         return errno.ENOSPC
-    if file_size_limit() is not None and _largest_file(Path(path)) >= file_size_limit():
+    size_limit = file_size_limit()
+    if size_limit is not None and _largest_file(Path(path)) >= size_limit:
         return errno.EFBIG
     if not os.access(where, os.W_OK):
         return errno.EACCES

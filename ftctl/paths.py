@@ -36,14 +36,13 @@ def check_output_path(path: Path, key: str, *, directory: bool = False) -> None:
     dir with ``directory``) is the wrong kind, or the nearest existing folder above it is a file or not
     writable. Missing folders above it are fine: :func:`make_parent` creates them."""
     from ftctl.errors import FtctlError
+    from ftctl.fs_faults import existing_ancestor
 
     path = Path(path).expanduser()
     if path.exists() and path.is_dir() != directory:
         raise FtctlError(f"{key}={path} is {'a file' if directory else 'a directory'}; give the path of "
                          f"{'a directory' if directory else 'a file to write'}")
-    ancestor = path.absolute().parent
-    while not ancestor.exists() and ancestor != ancestor.parent:
-        ancestor = ancestor.parent
+    ancestor = existing_ancestor(path.parent)
     if not ancestor.is_dir():
         raise FtctlError(f"{key}={path}: {ancestor} is a file, so no folder can be made under it")
     if not os.access(ancestor, os.W_OK | os.X_OK):

@@ -52,6 +52,7 @@ def request_from_options(options: Dict[str, str]) -> ExportRequest:
     """An ExportRequest from parsed key=value options, every value checked before anything loads."""
     from ftctl.export.gguf_writer import quant_refusal
     from ftctl.export.hf import HF_DTYPES, parse_size
+    from ftctl.options import bool_option
 
     missing = [key for key in ("model", "format", "output") if key not in options]
     if missing:
@@ -73,13 +74,11 @@ def request_from_options(options: Dict[str, str]) -> ExportRequest:
     misplaced = [key for key in only if key in options]
     if misplaced:
         raise FtctlError(f"{', '.join(misplaced)} do{'es' if len(misplaced) == 1 else ''} not apply to format={fmt}")
-    overwrite = options.get("overwrite", "false").lower()
-    if overwrite not in ("true", "false"):
-        raise FtctlError(f"overwrite={options['overwrite']}: expected true or false")
+    overwrite = bool_option("overwrite", options.get("overwrite", "false"))
     return ExportRequest(
         model=options["model"], format=fmt, output=options["output"], base=options.get("base"), dtype=dtype,
         shard_size=parse_size(options["shard_size"]) if "shard_size" in options else None,
-        quant=quant, name=options.get("name"), overwrite=overwrite == "true",
+        quant=quant, name=options.get("name"), overwrite=overwrite,
     )
 
 

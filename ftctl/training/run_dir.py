@@ -16,7 +16,7 @@ import re
 import shutil
 import time
 from pathlib import Path
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 from ftctl.config.compose import load_resolved, to_yaml
 from ftctl.config.schema import RunConfig
@@ -200,7 +200,7 @@ def _delete_run_outputs(run_dir: Path, announce: bool = False) -> List[str]:
         shutil.rmtree(target) if folder else target.unlink()
         removed.append(child + ("/" if folder else ""))
     if announce:
-        left = [name for name in _entries(run_dir)]
+        left = _entries(run_dir)
         log.warning("overwrite=true: removed %s from %s%s", ", ".join(removed) or "nothing", run_dir,
                     f"; left what ftctl did not write: {', '.join(left)}" if left else "")
     return removed
@@ -257,34 +257,34 @@ def _continue_from(cfg: RunConfig, run_dir: Path, ckpt: Path) -> None:
                  ", ".join(f"{k}={v}" for k, v in zip(("train.max_steps", "train.epochs"), run_length(cfg)) if v is not None))
 
 
-def _kept_metrics(path: Path, step: int) -> Optional[bytes]:
+def _kept_metrics(path: Path, step: int) -> Optional[Tuple[bytes, Optional[int]]]:
     """metrics.jsonl without the lines of steps to train again and a last line cut off when the run was killed
-    (None when there is no file); a damaged line elsewhere refuses, naming it."""
+    (None when there is no file), with the count of its lines when that last line was dropped; a damaged line
+    elsewhere refuses, naming it."""
     if not path.is_file():
         return None
     lines = [(number, raw) for number, raw in enumerate(path.read_bytes().split(b"\n"), start=1) if raw.strip()]
-    kept = []
+    kept, cut_off = [], None
     for number, raw in lines:
         try:
             record = json.loads(raw)
         except ValueError:
             if number == lines[-1][0]:
+                cut_off = len(lines)
                 continue
             raise FtctlError(f"{path}:{number}: not a JSON line (edited or damaged); remove that line, then resume again") from None
         if record.get("step", 0) <= step:
             kept.append(raw + b"\n")
-    return b"".join(kept)
+    return b"".join(kept), cut_off
 
 
 def _trim_metrics(path: Path, step: int) -> None:
-    kept = _kept_metrics(path, step)
-    if kept is None:
+    trimmed = _kept_metrics(path, step)
+    if trimmed is None:
         return
-    lines = [raw for raw in path.read_bytes().split(b"\n") if raw.strip()]
-    try:
-        json.loads(lines[-1]) if lines else None
-    except ValueError:
-        log.warning("%s: dropped its last line (line %d), cut off when the run stopped", path, len(lines))
+    kept, cut_off = trimmed
+    if cut_off is not None:
+        log.warning("%s: dropped its last line (line %d), cut off when the run stopped", path, cut_off)
     _write_atomically(path, kept.decode("utf-8", errors="replace"))
 
 
