@@ -354,8 +354,10 @@ def estimate_mesh_memory(cfg: RunConfig, arch: Architecture, source: str) -> Mem
     layers times the micro-batches the schedule keeps in flight; a head split by TP materialises the
     full logits.
     """
+    from ftctl.config.validate import gradient_accumulation_steps
     from ftctl.parallel.mesh_shape import (
-        bubble_ratio, describe_stages, in_flight_microbatches, mesh_shape, microbatches, stage_summary, stages_per_rank,
+        bubble_ratio, describe_stages, in_flight_microbatches, mesh_shape, microbatches, rank_stages, stage_summary,
+        stages_per_rank,
     )
 
     m, p, t = cfg.method, cfg.parallel, cfg.train
@@ -376,6 +378,7 @@ def estimate_mesh_memory(cfg: RunConfig, arch: Architecture, source: str) -> Mem
     params = _parameter_groups(arch, cfg, adapted)
     compute = DTYPE_BYTES[precision]
     full = m.name == "full"
+    dora = not full and (m.use_dora or m.name == "dora")
     base_bytes = 4 if full else compute  # trained master weights, or the frozen base
     linear_bytes = (0.5 + (1 / QUANT_BLOCK + 4 / (QUANT_BLOCK * DOUBLE_QUANT_BLOCK) if m.double_quant else 4 / QUANT_BLOCK)
                     if m.name == "qlora" else base_bytes)
@@ -393,7 +396,6 @@ def estimate_mesh_memory(cfg: RunConfig, arch: Architecture, source: str) -> Mem
     layer_experts = experts / (expert_split if shape.ep > 1 else tp)
     expert_fsdp = 1 if shape.ep > 1 else dp_shard
     if not full:
-        dora = m.use_dora or m.name == "dora"
         for name in adapted:
             i, o, _ = shapes[name]
             a, b = m.r * i, o * m.r
@@ -404,11 +406,10 @@ def estimate_mesh_memory(cfg: RunConfig, arch: Architecture, source: str) -> Mem
     head = arch.head_parameters() / tp + arch.hidden
 
     per_rank = stages_per_rank(p)
-    m_batches = microbatches(cfg, t.global_batch_size // (t.micro_batch_size * shape.dp))
+    m_batches = microbatches(cfg, gradient_accumulation_steps(cfg, world))
     tokens = t.micro_batch_size * cfg.data.max_seq_len
     stream_dtype = 4 if full else compute
-    stream, matmul, masks = layer_activation_elements(arch, m.name, adapted, m.dropout, m.r, m.name != "full" and (m.use_dora or m.name == "dora"),
-                                                      grad_reaches_input=True)
+    stream, matmul, masks = layer_activation_elements(arch, m.name, adapted, m.dropout, m.r, dora, grad_reaches_input=True)
     layer_act = tokens * (stream_dtype * stream + (compute * matmul + masks) / tp)
     if full and compute < 4:
         layer_act += linear / tp * compute  # autocast's copies of the master weights, kept for backward
@@ -417,7 +418,7 @@ def estimate_mesh_memory(cfg: RunConfig, arch: Architecture, source: str) -> Mem
     last_stage = shape.pp * per_rank - 1
     totals, parts_by_rank = [], []
     for pp_rank, ranges in summary:
-        stages = [pp_rank + k * shape.pp for k in range(per_rank)]
+        stages = rank_stages(pp_rank, shape.pp, per_rank)
         n_layers = sum(len(r) for r in ranges)
         first, last = 0 in stages, last_stage in stages
         weights = n_layers * layer_weights + (embed * base_bytes if first else 0) + (head * base_bytes if last else 0)

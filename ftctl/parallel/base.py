@@ -109,21 +109,13 @@ class TorchEngine(Engine):
     def backward(self, loss):
         (self.scaler.scale(loss) if self.scaler else loss).backward()
 
-    def _grads(self):
-        """This rank's gradients: a sharded parameter's local shard (FSDP's DTensors), else the whole gradient."""
-        grads = [p.grad for group in self.optimizer.param_groups for p in group["params"] if p.grad is not None]
-        return [g.to_local() if hasattr(g, "to_local") else g for g in grads]
-
     def step(self, max_grad_norm, sync):
         if self.scaler:
             self.scaler.unscale_(self.optimizer)
-        grads = self._grads()
+        grads = local_grads(self.optimizer)
         local = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
         norm, grad_norm = sync(local, sharded=self.grads_sharded)
-        if max_grad_norm > 0 and grads:
-            # As torch's clip_grad_norm_, on the device: nothing is read back.
-            coefficient = (max_grad_norm / (norm + 1e-6)).clamp(max=1.0)
-            torch._foreach_mul_(grads, coefficient.to(grads[0].device))
+        clip_local_grads(grads, norm, max_grad_norm)
         # A NaN/inf update would destroy the weights; the runner decides whether to go on. An fp16 overflow is
         # the same signal: the gradient norm is inf exactly when the scaler found an inf.
         skipped = not math.isfinite(grad_norm)
@@ -205,6 +197,20 @@ def default_device(local_rank: int = 0) -> torch.device:
     if torch.cuda.is_available():
         return torch.device("cuda", local_rank)
     return torch.device("cpu")
+
+
+def local_grads(optimizer) -> list:
+    """This rank's gradients: a sharded parameter's local shard (DTensors), else the whole gradient."""
+    grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+    return [g.to_local() if hasattr(g, "to_local") else g for g in grads]
+
+
+def clip_local_grads(grads: list, norm: torch.Tensor, max_grad_norm: float) -> None:
+    """Clip ``grads`` to ``max_grad_norm`` (when > 0) given their global ``norm``, as torch's clip_grad_norm_ but on the
+    device: nothing is read back."""
+    if max_grad_norm > 0 and grads:
+        coefficient = (max_grad_norm / (norm + 1e-6)).clamp(max=1.0)
+        torch._foreach_mul_(grads, coefficient.to(grads[0].device))
 
 
 def apply_checkpointing(model: torch.nn.Module, cfg: RunConfig) -> None:

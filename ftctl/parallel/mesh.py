@@ -28,7 +28,13 @@ from typing import Dict, List, Optional
 import torch
 
 from ftctl.errors import ConfigError, FtctlError
-from ftctl.parallel.base import Engine, StepResult, apply_checkpointing
+from ftctl.parallel.base import (
+    Engine,
+    StepResult,
+    apply_checkpointing,
+    clip_local_grads,
+    local_grads,
+)
 from ftctl.parallel.distributed import DataParallelBackend
 from ftctl.parallel.mesh_shape import AXES, mesh_shape, microbatches, stages_per_rank
 from ftctl.parallel.support import CHECKPOINT_STATE_DIRS
@@ -249,18 +255,12 @@ class MeshEngine(Engine):
     def _params(self):
         return [p for group in self.optimizer.param_groups for p in group["params"]]
 
-    def _grads(self):
-        return [p.grad for group in self.optimizer.param_groups for p in group["params"] if p.grad is not None]
-
     def step(self, max_grad_norm, sync):
         share = squared_norm_share(self._params(), self.backend.shape)
         # The step's one reduction adds the shares up (sharded: the root of the summed squares); clipping
         # then scales the local parts on the device, as torch's clip_grad_norm_ would the whole gradients.
         norm, grad_norm = sync(share.sqrt(), sharded=True)
-        grads = [g.to_local() if hasattr(g, "to_local") else g for g in self._grads()]
-        if max_grad_norm > 0 and grads:
-            coefficient = (max_grad_norm / (norm + 1e-6)).clamp(max=1.0)
-            torch._foreach_mul_(grads, coefficient.to(grads[0].device))
+        clip_local_grads(local_grads(self.optimizer), norm, max_grad_norm)
         skipped = not math.isfinite(grad_norm)  # a NaN/inf update would destroy the weights
         if not skipped:
             self.optimizer.step()
@@ -331,11 +331,11 @@ class PipelineEngine(MeshEngine):
         from ftctl.config.validate import gradient_accumulation_steps
 
         cfg = backend.cfg
+        accumulation = gradient_accumulation_steps(cfg, backend.world_size)
         self.precision = precision
-        self.microbatches = microbatches(cfg, gradient_accumulation_steps(cfg, backend.world_size))
-        self.rows = cfg.train.micro_batch_size * gradient_accumulation_steps(cfg, backend.world_size) // self.microbatches
+        self.microbatches = microbatches(cfg, accumulation)
+        self.rows = cfg.train.micro_batch_size * accumulation // self.microbatches
         self.width = cfg.data.max_seq_len
-        self.pad_token_id = 0
         self.scale = 1.0
         self.schedule = None
 
